@@ -1,0 +1,33 @@
+"""gradckpt: gradient checkpointing for PyTorch that fits a memory budget.
+
+The engine (``checkpoint``, ``checkpoint_module``) decides, for each tensor a region would save
+for backward, whether to keep it, recompute it or offload it. See DESIGN.md for the pipeline.
+"""
+
+from .engine import (
+    checkpoint,
+    checkpoint_module,
+    debug_mode,
+    is_checkpointed,
+    uncheckpoint_module,
+)
+from .errors import BudgetError, CheckpointError, GradckptError, UsageError
+from .policies import Fate, offload_matmuls, save_matmuls
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetError",
+    "CheckpointError",
+    "Fate",
+    "GradckptError",
+    "UsageError",
+    "__version__",
+    "checkpoint",
+    "checkpoint_module",
+    "debug_mode",
+    "is_checkpointed",
+    "offload_matmuls",
+    "save_matmuls",
+    "uncheckpoint_module",
+]

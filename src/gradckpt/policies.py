@@ -1,0 +1,124 @@
+"""Fates and policies: what happens to each tensor a checkpointed region would save.
+
+A policy is a plain function ``(op, output) -> Fate``, asked once for every operation inside a
+checkpointed region that makes a new tensor (views and in-place operations are never asked:
+their results alias tensors that exist anyway, so keeping them would save nothing). ``op`` is the
+ATen overload (for example ``torch.ops.aten.mm.default``), ``output`` the operation's first
+tensor output; the fate applies to all of the operation's outputs.
+
+- ``Fate.KEEP``: keep the output from the forward pass; recomputation reuses it instead of
+  running the operation again.
+- ``Fate.RECOMPUTE``: drop it; backward runs the operation again.
+- ``Fate.OFFLOAD``: move it to CPU memory in the forward pass and bring it back when
+  recomputation reaches it. For tensors already in CPU memory this is the same as ``KEEP``.
+
+The named presets below are what ``policy="save-matmuls"`` and friends resolve to.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import torch
+
+from .errors import UsageError
+
+
+class Fate(enum.Enum):
+    """What happens to a tensor saved for backward inside a checkpointed region."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+Policy = Callable[[torch._ops.OpOverload, torch.Tensor], Fate]
+PolicyLike = None | str | Policy
+
+_aten = torch.ops.aten
+
+
+def _packets(*names: str) -> frozenset:
+    # Look names up one by one so a torch build without one of them still imports.
+    return frozenset(getattr(_aten, name) for name in names if hasattr(_aten, name))
+
+
+MATMUL_OPS = _packets("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm")
+"""Matrix multiplies as they reach the engine (``linear`` and ``matmul`` decompose into these)."""
+
+ATTENTION_OPS = _packets(
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+"""Fused attention kernels behind ``torch.nn.functional.scaled_dot_product_attention``."""
+
+
+def is_matmul_or_attention(op: torch._ops.OpOverload) -> bool:
+    """True for the expensive operations that ``save-matmuls`` keeps.
+
+    >>> is_matmul_or_attention(torch.ops.aten.mm.default)
+    True
+    >>> is_matmul_or_attention(torch.ops.aten.gelu.default)
+    False
+    """
+    packet = op.overloadpacket
+    return packet in MATMUL_OPS or packet in ATTENTION_OPS
+
+
+def save_matmuls(op: torch._ops.OpOverload, output: torch.Tensor) -> Fate:
+    """Keep matrix-multiply and attention outputs, recompute everything else.
+
+    This is Megatron-style selective recomputation: the cheap element-wise work is redone in
+    backward, the expensive matmuls are not.
+
+    >>> save_matmuls(torch.ops.aten.addmm.default, torch.zeros(2, 2))
+    <Fate.KEEP: 'keep'>
+    """
+    return Fate.KEEP if is_matmul_or_attention(op) else Fate.RECOMPUTE
+
+
+def offload_matmuls(op: torch._ops.OpOverload, output: torch.Tensor) -> Fate:
+    """Like ``save_matmuls`` but moves those outputs to CPU memory instead of keeping them.
+
+    >>> offload_matmuls(torch.ops.aten.mm.default, torch.zeros(2, 2))
+    <Fate.OFFLOAD: 'offload'>
+    """
+    return Fate.OFFLOAD if is_matmul_or_attention(op) else Fate.RECOMPUTE
+
+
+PRESETS: dict[str, Policy] = {
+    "save-matmuls": save_matmuls,
+    "offload-matmuls": offload_matmuls,
+}
+
+
+def resolve_policy(policy: PolicyLike) -> Policy | None:
+    """Turn what a user passed as ``policy=`` into a callable (or ``None`` = recompute all).
+
+    >>> resolve_policy("save-matmuls") is save_matmuls
+    True
+    >>> resolve_policy(None) is None
+    True
+    """
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        if policy in PRESETS:
+            return PRESETS[policy]
+        raise UsageError(
+            f"unknown checkpoint policy {policy!r}; valid names are "
+            f"{', '.join(sorted(PRESETS))}, or pass None (recompute everything) "
+            "or a callable (op, output) -> gradckpt.Fate"
+        )
+    if callable(policy):
+        return policy
+    raise UsageError(
+        f"policy must be None, a preset name ({', '.join(sorted(PRESETS))}) or a callable "
+        f"(op, output) -> gradckpt.Fate; got {type(policy).__name__}"
+    )
