@@ -133,6 +133,27 @@ class _DebugState(threading.local):
 _debug_state = _DebugState()
 
 
+class _InternalWork(threading.local):
+    """Set while the engine itself runs tensor operations inside a region (copying buffers,
+    detaching saved tensors): the policy mode must neither count nor log those, or forward and
+    recomputation would seem to differ. Outer modes (e.g. MemTracker) still see them."""
+
+    active = False
+
+
+_internal_work = _InternalWork()
+
+
+@contextlib.contextmanager
+def _engine_internal() -> Iterator[None]:
+    previous = _internal_work.active
+    _internal_work.active = True
+    try:
+        yield
+    finally:
+        _internal_work.active = previous
+
+
 # --------------------------------------------------------------------------------------------
 # One checkpointed call: the region
 # --------------------------------------------------------------------------------------------
@@ -191,6 +212,7 @@ class _Region:
         self.preserve_rng_state = preserve_rng_state
         self.slots: list[weakref.ref[_Slot]] = []
         self.saved_metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self.saved_by: list[type] = []  # the autograd node type of each saved tensor
         self.op_records: list[_OpRecord] = []
         self.forward_log: list[str] = []
         self.recompute_log: list[str] = []
@@ -213,6 +235,7 @@ class _Region:
         slot = _Slot(self, len(self.slots))
         self.slots.append(weakref.ref(slot))
         self.saved_metadata.append(_metadata(tensor))
+        self.saved_by.append(type(tensor.grad_fn))
         return slot
 
     # ---- backward ---------------------------------------------------------------------------
@@ -283,8 +306,20 @@ class _Region:
                 "twice (data-dependent control flow, or state that changed between forward and "
                 "backward)." + self.divergence_report()
             )
+        # Same shape, another operation (relu in the forward, sigmoid in recomputation): the
+        # node that produced it tells. Region inputs are fresh leaves in recomputation (no node).
+        node = tensor.grad_fn
+        if node is not None and type(node) is not self.saved_by[index]:
+            raise CheckpointError(
+                f"gradckpt: recomputing region {self.name!r} produced saved tensor #{index} "
+                f"({_describe(_metadata(tensor))}) with {type(node).__name__}, where the forward "
+                f"pass produced it with {_node_name(self.saved_by[index])}. The region does not "
+                "compute the same thing twice (data-dependent control flow, or state that "
+                "changed between forward and backward)." + self.divergence_report()
+            )
         # Detached: the slot must not keep the recomputed graph (and a cycle through it) alive.
-        tensor = tensor.detach()
+        with _engine_internal():
+            tensor = tensor.detach()
         slot = self.slots[index]()
         if slot is not None:  # None: that part of the graph is gone already
             slot.tensors[graph_id] = tensor
@@ -342,6 +377,10 @@ def _metadata(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.devi
     return (tensor.shape, tensor.dtype, tensor.device)
 
 
+def _node_name(node_type: type) -> str:
+    return "no autograd history" if node_type is type(None) else node_type.__name__
+
+
 def _describe(metadata: tuple[torch.Size, torch.dtype, torch.device]) -> str:
     shape, dtype, device = metadata
     return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
@@ -381,11 +420,12 @@ def _run_checkpointed(
 
 
 def _name_of(fn: Callable[..., Any]) -> str:
+    # _get_name: the class name as the user wrote it (and repr shows it), not our wrapper's.
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, torch.nn.Module):
-        return type(owner).__name__
+        return owner._get_name()
     if isinstance(fn, torch.nn.Module):
-        return type(fn).__name__
+        return fn._get_name()
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
@@ -486,13 +526,14 @@ class _BufferGuard:
     def remember(self, module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() != self.thread:
             return
-        for buffer in module._buffers.values():
-            if buffer is not None and id(buffer) not in self.snapshots:
-                self.snapshots[id(buffer)] = (buffer, buffer.detach().clone())
+        with _engine_internal():
+            for buffer in module._buffers.values():
+                if buffer is not None and id(buffer) not in self.snapshots:
+                    self.snapshots[id(buffer)] = (buffer, buffer.detach().clone())
 
     def __exit__(self, *exc_info: Any) -> None:
         self.hook.remove()
-        with torch.no_grad():
+        with torch.no_grad(), _engine_internal():
             for buffer, copy in self.snapshots.values():
                 buffer.copy_(copy)
 
@@ -570,6 +611,8 @@ class _PolicyMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         region = self.region
+        if _internal_work.active:
+            return func(*args, **kwargs)
         if region.debug:
             self.log.append(f"{func}  ({_user_frame()})")
         if region.policy is None:
