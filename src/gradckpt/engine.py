@@ -619,11 +619,20 @@ class _PolicyMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if not _asks_policy(func):
             if self.watched and func._schema.is_mutable and not self.recomputing:
-                self.protect_inputs(args, kwargs)
+                with _engine_internal():
+                    self.protect_inputs(args, kwargs)
             return func(*args, **kwargs)
         if self.recomputing:
             return self.replay(func, args, kwargs)
         output = func(*args, **kwargs)
+        # The policy's and our own tensor work must stay invisible to the policy mode of an
+        # enclosing region, or that region's recomputation would see different operations.
+        with _engine_internal():
+            self.record(func, output)
+        return output
+
+    def record(self, func: torch._ops.OpOverload, output: Any) -> None:
+        region = self.region
         first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
         fate = Fate.RECOMPUTE if first is None else region.policy(func, first)
         if not isinstance(fate, Fate):
@@ -643,7 +652,6 @@ class _PolicyMode(TorchDispatchMode):
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and _storage_key(tensor) is not None:
                     self.watched.setdefault(_storage_key(tensor), []).append(record)
-        return output
 
     def protect_inputs(self, args: tuple, kwargs: dict) -> None:
         # Over-approximates "the mutated arguments" by all tensor arguments: a needless copy in a
@@ -667,7 +675,8 @@ class _PolicyMode(TorchDispatchMode):
             )
         if record.fate is Fate.RECOMPUTE:
             return func(*args, **kwargs)
-        return record.replay()
+        with _engine_internal():
+            return record.replay()
 
 
 class _Offloaded:

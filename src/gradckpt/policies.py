@@ -1,10 +1,13 @@
 """Fates and policies: what happens to each tensor a checkpointed region would save.
 
-A policy is a plain function ``(op, output) -> Fate``, asked once for every operation inside a
+A policy is a plain function ``(op, output) -> Fate``, asked about every operation inside a
 checkpointed region that makes a new tensor (views and in-place operations are never asked:
 their results alias tensors that exist anyway, so keeping them would save nothing). ``op`` is the
 ATen overload (for example ``torch.ops.aten.mm.default``), ``output`` the operation's first
-tensor output; the fate applies to all of the operation's outputs.
+tensor output; the fate applies to all of the operation's outputs. It is asked each time the
+region's forward runs: once per step, and again for a region nested inside another one whenever
+the outer region is recomputed. Make it a function of ``(op, output)`` alone: a policy whose
+answers depend on how often it was called keeps different tensors each time.
 
 - ``Fate.KEEP``: keep the output from the forward pass; recomputation reuses it instead of
   running the operation again.
