@@ -1,0 +1,302 @@
+"""Exact memory accounting of checkpointed regions, measured with MemTracker on the CPU.
+
+DESIGN.md "Measuring": memory is measured by the reference measure (on the CPU
+``torch.distributed._tools.mem_tracker.MemTracker``, its "Total"), never guessed. MemTracker sees
+every storage created inside its context and those registered with ``track_external``; here the
+parameters are registered and every activation is created inside, so each number below is exact
+to the byte.
+
+- (a) ``policy=None``: after the forward pass a region retains exactly its inputs (those the
+  caller no longer holds) -- nothing else. This is what checkpointing is for.
+- (b) ``"save-matmuls"`` / ``"offload-matmuls"`` (= keep on the CPU): inputs plus exactly the
+  outputs of the matmuls and attention kernels in the region.
+- (c) the same region without checkpointing retains strictly more.
+- (d) invariant 6: recomputed tensors are freed after use: after backward, after a partial
+  ``torch.autograd.grad`` and after ``backward(retain_graph=True)`` the memory is what it was
+  after forward, plus the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_models import storage_bytes
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import gradckpt
+
+CPU = torch.device("cpu")
+BATCH, WIDTH = 16, 32
+FLOAT_BYTES = 4
+
+
+def current_bytes(tracker: MemTracker) -> int:
+    # MemTracker drops a device from its snapshot when its total reaches zero.
+    return tracker.get_tracker_snapshot("current").get(CPU, {}).get("Total", 0)
+
+
+def tracker_for(*external: object) -> MemTracker:
+    tracker = MemTracker()
+    tracker.track_external(*external)
+    return tracker
+
+
+def mlp_region() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH),
+        nn.GELU(),
+        nn.Dropout(0.25),
+        nn.Linear(WIDTH, WIDTH),
+        nn.GELU(),
+    )
+
+
+MLP_MATMUL_OUTPUT_BYTES = 2 * BATCH * WIDTH * FLOAT_BYTES  # two addmm outputs (BATCH, WIDTH)
+
+
+class AttentionRegion(nn.Module):
+    """qkv projection, causal SDPA, output projection with a residual."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).split(dim, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, dim)
+        return x + self.proj(F.gelu(torch.tanh(y)))
+
+
+def attention_matmul_output_bytes(batch: int, seq: int, dim: int, heads: int) -> int:
+    qkv = batch * seq * 3 * dim  # addmm
+    attention = batch * seq * dim + batch * heads * seq  # output + logsumexp (flash, CPU)
+    proj = batch * seq * dim  # addmm
+    return (qkv + attention + proj) * FLOAT_BYTES
+
+
+def retained_by_forward(region: nn.Module, make_input, policy, checkpointing: bool = True):
+    """Bytes the region retains after forward beyond its output, and its input's bytes.
+
+    The input is made inside the tracked section from a leaf outside it, and the caller drops
+    its reference before measuring: whatever still holds it is the region.
+    """
+    tracker = tracker_for(region)
+    with tracker:
+        before = current_bytes(tracker)
+        x = make_input()
+        input_bytes = storage_bytes(x)
+        if checkpointing:
+            y = gradckpt.checkpoint(region, x, policy=policy)
+        else:
+            y = region(x)
+        del x
+        retained = current_bytes(tracker) - before - storage_bytes(y)
+    return retained, input_bytes
+
+
+def mlp_input():
+    leaf = torch.randn(BATCH, WIDTH, requires_grad=True)
+    return lambda: leaf * 2  # an activation: MulBackward with a scalar saves no tensor
+
+
+def attention_input():
+    leaf = torch.randn(2, 8, 16, requires_grad=True)
+    return lambda: leaf * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) policy=None keeps exactly the inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("region_kind", ["mlp-with-dropout", "attention"])
+def test_policy_none_retains_exactly_the_inputs(region_kind: str) -> None:
+    """(a) With policy=None the region keeps its input and nothing else after forward."""
+    if region_kind == "attention":
+        torch.manual_seed(0)
+        region, make_input = AttentionRegion(), attention_input()
+    else:
+        region, make_input = mlp_region(), mlp_input()
+    retained, input_bytes = retained_by_forward(region, make_input, policy=None)
+    assert input_bytes > 0
+    assert retained == input_bytes
+
+
+def test_input_still_held_by_the_caller_costs_nothing_more() -> None:
+    """(a) When the caller holds the input, a region with policy=None retains zero bytes."""
+    region = mlp_region()
+    leaf = torch.randn(BATCH, WIDTH, requires_grad=True)
+    tracker = tracker_for(region)
+    with tracker:
+        x = leaf * 2
+        before = current_bytes(tracker)
+        y = gradckpt.checkpoint(region, x)
+        assert current_bytes(tracker) - before == storage_bytes(y)
+
+
+def test_several_inputs_and_keyword_tensors_are_all_that_is_retained() -> None:
+    """(a) Positional and keyword tensor inputs (one frozen) are exactly what stays."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def region(a: torch.Tensor, b: torch.Tensor, *, shift: torch.Tensor, scale: float):
+        return torch.tanh(first(a)) * torch.sigmoid(second(b)) * scale + shift
+
+    leaf_a = torch.randn(BATCH, WIDTH, requires_grad=True)
+    leaf_b = torch.randn(BATCH, WIDTH, requires_grad=True)
+    tracker = tracker_for(first, second)
+    with tracker:
+        before = current_bytes(tracker)
+        a, b = leaf_a * 2, leaf_b * 2
+        shift = torch.randn(BATCH, WIDTH)  # does not require grad
+        input_bytes = storage_bytes(a, b, shift)
+        y = gradckpt.checkpoint(region, a, b, shift=shift, scale=0.5)
+        del a, b, shift
+        retained = current_bytes(tracker) - before - storage_bytes(y)
+    assert retained == input_bytes == 3 * BATCH * WIDTH * FLOAT_BYTES
+
+
+def test_nested_checkpoint_retains_only_the_outer_inputs() -> None:
+    """(a) + rule R2: an inner region's inputs are the outer region's to drop."""
+    inner_region = mlp_region()
+    torch.manual_seed(1)
+    head = nn.Linear(WIDTH, WIDTH)
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        h = gradckpt.checkpoint(inner_region, torch.relu(head(x)))
+        return torch.tanh(h)
+
+    leaf = torch.randn(BATCH, WIDTH, requires_grad=True)
+    tracker = tracker_for(inner_region, head)
+    with tracker:
+        before = current_bytes(tracker)
+        x = leaf * 2
+        input_bytes = storage_bytes(x)
+        y = gradckpt.checkpoint(outer, x)
+        del x
+        retained = current_bytes(tracker) - before - storage_bytes(y)
+    assert retained == input_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) save-matmuls keeps inputs + matmul/attention outputs; (c) plain keeps more
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["save-matmuls", "offload-matmuls"])
+def test_save_matmuls_retains_inputs_plus_matmul_outputs(policy: str) -> None:
+    """(b) An MLP region: its input plus its two Linear (addmm) outputs, nothing else."""
+    retained, input_bytes = retained_by_forward(mlp_region(), mlp_input(), policy=policy)
+    assert retained == input_bytes + MLP_MATMUL_OUTPUT_BYTES
+
+
+@pytest.mark.parametrize("policy", ["save-matmuls", "offload-matmuls"])
+def test_save_matmuls_retains_attention_outputs(policy: str) -> None:
+    """(b) An attention region: input + qkv and proj addmm outputs + the attention outputs."""
+    torch.manual_seed(0)
+    region = AttentionRegion(dim=16, heads=2)
+    retained, input_bytes = retained_by_forward(region, attention_input(), policy=policy)
+    expected = input_bytes + attention_matmul_output_bytes(batch=2, seq=8, dim=16, heads=2)
+    assert retained == expected
+
+
+@pytest.mark.parametrize("region_kind", ["mlp-with-dropout", "attention"])
+def test_without_checkpointing_the_region_retains_strictly_more(region_kind: str) -> None:
+    """(c) The plain region keeps more than with save-matmuls, which keeps more than None."""
+    if region_kind == "attention":
+        torch.manual_seed(0)
+        region, make_input = AttentionRegion(), attention_input()
+    else:
+        region, make_input = mlp_region(), mlp_input()
+    plain, input_bytes = retained_by_forward(region, make_input, None, checkpointing=False)
+    selective, _ = retained_by_forward(region, make_input, "save-matmuls")
+    everything, _ = retained_by_forward(region, make_input, None)
+    assert plain > selective > everything == input_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) invariant 6: recomputed tensors are freed after use
+# ---------------------------------------------------------------------------------------------
+
+
+def parameter_bytes(*modules: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+@pytest.mark.parametrize("policy", [None, "save-matmuls"])
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
+def test_after_backward_only_gradients_and_the_held_output_remain(
+    policy: str | None, checkpointing: bool
+) -> None:
+    """(d) After backward: the level before forward, plus the grads, plus the output we hold."""
+    region = mlp_region()
+    leaf = torch.randn(BATCH, WIDTH, requires_grad=True)
+    tracker = tracker_for(region)
+    with tracker:
+        before = current_bytes(tracker)
+        x = leaf * 2
+        y = gradckpt.checkpoint(region, x, policy=policy) if checkpointing else region(x)
+        del x
+        y.square().sum().backward()
+        after = current_bytes(tracker)
+    grad_bytes = parameter_bytes(region) + storage_bytes(leaf.grad)
+    assert after - before == grad_bytes + storage_bytes(y)
+
+
+@pytest.mark.parametrize("policy", [None, "save-matmuls"])
+def test_partial_autograd_grad_frees_what_it_did_not_use(policy: str | None) -> None:
+    """(d) ``autograd.grad`` w.r.t. one input: the other branch's recomputed tensors go too."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def region(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return first(a) * F.gelu(second(b))
+
+    leaf_a = torch.randn(BATCH, WIDTH, requires_grad=True)
+    leaf_b = torch.randn(BATCH, WIDTH, requires_grad=True)
+    tracker = tracker_for(first, second)
+    with tracker:
+        a, b = leaf_a * 2, leaf_b * 2
+        y = gradckpt.checkpoint(region, a, b, policy=policy)
+        after_forward = current_bytes(tracker)
+        (grad_a,) = torch.autograd.grad(y.sum(), [a])
+        after_grad = current_bytes(tracker)
+    assert after_grad - after_forward == storage_bytes(grad_a)
+    # And the result is right: d/da sum(first(a) * g) = g @ W1.
+    expected = (F.gelu(second(b)) @ first.weight).detach()
+    torch.testing.assert_close(grad_a, expected)
+
+
+@pytest.mark.parametrize("policy", [None, "save-matmuls"])
+def test_retain_graph_backward_frees_recomputed_tensors_each_time(policy: str | None) -> None:
+    """(d) backward(retain_graph=True), twice: each time memory returns to the after-forward
+    level plus the grads (they accumulate in place). A last backward without retain_graph
+    releases the graph, and with it what the region kept (its input, the kept matmuls)."""
+    region = mlp_region()
+    leaf = torch.randn(BATCH, WIDTH, requires_grad=True)
+    tracker = tracker_for(region)
+    with tracker:
+        x = leaf * 2
+        input_bytes = storage_bytes(x)
+        y = gradckpt.checkpoint(region, x, policy=policy)
+        del x
+        loss = y.square().sum()
+        after_forward = current_bytes(tracker)
+        levels = []
+        for retain_graph in (True, True, False):
+            loss.backward(retain_graph=retain_graph)
+            levels.append(current_bytes(tracker) - after_forward)
+    grad_bytes = parameter_bytes(region) + storage_bytes(leaf.grad)
+    kept_bytes = input_bytes + (MLP_MATMUL_OUTPUT_BYTES if policy == "save-matmuls" else 0)
+    assert levels == [grad_bytes, grad_bytes, grad_bytes - kept_bytes]
+    assert math.isfinite(loss.item())
