@@ -37,34 +37,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_bytes(step_fn: Callable[[], Any], *track: Any, device: torch.device) -> int:
-    """Run ``step_fn()`` once and return the peak memory (bytes) on ``device`` while it ran.
-
-    ``track``: modules, optimizers and tensors that exist before the step and live through it
-    (model, inputs, targets). On CPU they are registered with MemTracker so that its peak counts
-    them, as ``torch.cuda.max_memory_allocated()`` does on CUDA.
-    """
-    if device.type == "cuda":
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step_fn()
-        synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    if device.type != "cpu":
-        raise ValueError(f"peak_bytes measures cpu and cuda, not {device.type!r}")
-
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(*track)
-    with tracker:
-        step_fn()
-    for snapshot_device, breakdown in tracker.get_tracker_snapshot("peak").items():
-        if torch.device(snapshot_device) == device:
-            return int(breakdown["Total"])
-    raise RuntimeError(f"MemTracker saw no memory on {device}")
-
-
 @dataclass(frozen=True)
 class Round:
     """One timed round: each contender's step time, and what the rest of the machine did."""

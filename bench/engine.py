@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import gradckpt
+from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
 
 TIME_TARGET = 1.03  # gradckpt / torch step-time ratio that passes
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks = {}
     for label, step in steps.items():
         model.zero_grad(set_to_none=True)
-        peaks[label] = _common.peak_bytes(step, model, idx, targets, device=device)
+        peaks[label] = measure_peak_bytes(step, model, idx, targets, device=device)
     model.zero_grad(set_to_none=True)
 
     # ---- report ---------------------------------------------------------------------------
