@@ -181,13 +181,16 @@ class _SaveInputs(torch.autograd.Function):
 
 
 class _Slot:
-    """What autograd stores in place of a saved tensor: an index and, per backward, the tensor."""
+    """What autograd stores in place of a saved tensor: per backward pass, the recomputed tensor.
 
-    __slots__ = ("region", "index", "tensors", "__weakref__")
+    Its position in ``region.slots`` is the order in which the forward pass saved it, which is
+    the order in which recomputation saves it again.
+    """
 
-    def __init__(self, region: _Region, index: int) -> None:
+    __slots__ = ("region", "tensors", "__weakref__")
+
+    def __init__(self, region: _Region) -> None:
         self.region = region
-        self.index = index
         self.tensors: dict[int, torch.Tensor] = {}  # graph task id -> recomputed tensor
 
 
@@ -232,7 +235,7 @@ class _Region:
         self.autocast = _AutocastSnapshot(tensors)
 
     def pack_during_forward(self, tensor: torch.Tensor) -> _Slot:
-        slot = _Slot(self, len(self.slots))
+        slot = _Slot(self)
         self.slots.append(weakref.ref(slot))
         self.saved_metadata.append(_metadata(tensor))
         self.saved_by.append(type(tensor.grad_fn))
@@ -281,11 +284,9 @@ class _Region:
             except _RecomputationComplete:
                 pass
         if filled.count < len(self.slots):
-            raise CheckpointError(
-                f"gradckpt: recomputing region {self.name!r} saved {filled.count} tensors for "
-                f"backward but its forward pass saved {len(self.slots)}. The region does not "
-                "compute the same thing twice (data-dependent control flow, or state that "
-                "changed between forward and backward)." + self.divergence_report()
+            raise self.mismatch(
+                f"saved {filled.count} tensors for backward but its forward pass saved "
+                f"{len(self.slots)}"
             )
 
     def pack_during_recompute(
@@ -298,24 +299,19 @@ class _Region:
             # stops us at len(slots)); then the extra tensors are the forward's own business.
             return tensor
         if _metadata(tensor) != self.saved_metadata[index]:
-            raise CheckpointError(
-                f"gradckpt: recomputing region {self.name!r} produced a different saved "
-                f"tensor #{index}: the forward pass saved "
+            raise self.mismatch(
+                f"produced a different saved tensor #{index}: the forward pass saved "
                 f"{_describe(self.saved_metadata[index])}, recomputation saved "
-                f"{_describe(_metadata(tensor))}. The region does not compute the same thing "
-                "twice (data-dependent control flow, or state that changed between forward and "
-                "backward)." + self.divergence_report()
+                f"{_describe(_metadata(tensor))}"
             )
         # Same shape, another operation (relu in the forward, sigmoid in recomputation): the
         # node that produced it tells. Region inputs are fresh leaves in recomputation (no node).
         node = tensor.grad_fn
         if node is not None and type(node) is not self.saved_by[index]:
-            raise CheckpointError(
-                f"gradckpt: recomputing region {self.name!r} produced saved tensor #{index} "
-                f"({_describe(_metadata(tensor))}) with {type(node).__name__}, where the forward "
-                f"pass produced it with {_node_name(self.saved_by[index])}. The region does not "
-                "compute the same thing twice (data-dependent control flow, or state that "
-                "changed between forward and backward)." + self.divergence_report()
+            raise self.mismatch(
+                f"produced saved tensor #{index} ({_describe(_metadata(tensor))}) with "
+                f"{type(node).__name__}, where the forward pass produced it with "
+                f"{_node_name(self.saved_by[index])}"
             )
         # Detached: the slot must not keep the recomputed graph (and a cycle through it) alive.
         with _engine_internal():
@@ -345,10 +341,17 @@ class _Region:
             if slot is not None:
                 slot.tensors.pop(graph_id, None)
 
-    def divergence_report(self) -> str:
-        if not self.debug:
-            return " Run the step under gradckpt.debug_mode() to see where it diverged."
-        return "\n" + _first_divergence(self.forward_log, self.recompute_log)
+    def mismatch(self, what_differed: str) -> CheckpointError:
+        """The error for a recomputation that did not reproduce the forward (invariant 7)."""
+        if self.debug:
+            where = "\n" + _first_divergence(self.forward_log, self.recompute_log)
+        else:
+            where = " Run the step under gradckpt.debug_mode() to see where it diverged."
+        return CheckpointError(
+            f"gradckpt: recomputing region {self.name!r} {what_differed}. The region does not "
+            "compute the same thing twice (data-dependent control flow, or state that changed "
+            "between forward and backward)." + where
+        )
 
 
 class _FillCounter:
@@ -668,10 +671,8 @@ class _PolicyMode(TorchDispatchMode):
         record = region.op_records[position] if position < len(region.op_records) else None
         if record is None or record.op is not func:
             expected = record.op if record is not None else "nothing (the forward had ended)"
-            raise CheckpointError(
-                f"gradckpt: recomputing region {region.name!r} ran {func} as operation "
-                f"#{position}, where the forward pass ran {expected}. The region does not "
-                "compute the same thing twice." + region.divergence_report()
+            raise region.mismatch(
+                f"ran {func} as operation #{position}, where the forward pass ran {expected}"
             )
         if record.fate is Fate.RECOMPUTE:
             return func(*args, **kwargs)
