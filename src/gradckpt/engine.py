@@ -215,7 +215,7 @@ class _Region:
         self.preserve_rng_state = preserve_rng_state
         self.slots: list[weakref.ref[_Slot]] = []
         self.saved_metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
-        self.saved_by: list[type] = []  # the autograd node type of each saved tensor
+        self.saved_by: list[type | None] = []  # what made each saved tensor (_producer)
         self.op_records: list[_OpRecord] = []
         self.forward_log: list[str] = []
         self.recompute_log: list[str] = []
@@ -238,7 +238,7 @@ class _Region:
         slot = _Slot(self)
         self.slots.append(weakref.ref(slot))
         self.saved_metadata.append(_metadata(tensor))
-        self.saved_by.append(type(tensor.grad_fn))
+        self.saved_by.append(_producer(tensor))
         return slot
 
     # ---- backward ---------------------------------------------------------------------------
@@ -306,12 +306,13 @@ class _Region:
             )
         # Same shape, another operation (relu in the forward, sigmoid in recomputation): the
         # node that produced it tells. Region inputs are fresh leaves in recomputation (no node).
-        node = tensor.grad_fn
-        if node is not None and type(node) is not self.saved_by[index]:
+        producer = _producer(tensor)
+        forward_producer = self.saved_by[index]
+        if None not in (producer, forward_producer) and producer is not forward_producer:
             raise self.mismatch(
                 f"produced saved tensor #{index} ({_describe(_metadata(tensor))}) with "
-                f"{type(node).__name__}, where the forward pass produced it with "
-                f"{_node_name(self.saved_by[index])}"
+                f"{producer.__name__}, where the forward pass produced it with "
+                f"{forward_producer.__name__}"
             )
         # Detached: the slot must not keep the recomputed graph (and a cycle through it) alive.
         with _engine_internal():
@@ -380,8 +381,16 @@ def _metadata(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.devi
     return (tensor.shape, tensor.dtype, tensor.device)
 
 
-def _node_name(node_type: type) -> str:
-    return "no autograd history" if node_type is type(None) else node_type.__name__
+def _producer(tensor: torch.Tensor) -> type | None:
+    """The type of autograd node that made a saved tensor, where it identifies the operation.
+
+    None for leaves (region inputs are fresh leaves in recomputation) and for views: autograd
+    may record the same reshape as ViewBackward0 once and ReshapeAliasBackward0 the next time.
+    """
+    node = tensor.grad_fn
+    if node is None or tensor._is_view():
+        return None
+    return type(node)
 
 
 def _describe(metadata: tuple[torch.Size, torch.dtype, torch.device]) -> str:
