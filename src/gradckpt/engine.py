@@ -446,6 +446,14 @@ def _name_of(fn: Callable[..., Any]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _current_accelerator() -> torch.device | None:
+    """The process's accelerator (CUDA, XPU, MPS, ...), or None on a CPU-only machine."""
+    accelerator_api = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator_api is not None:
+        return accelerator_api.current_accelerator() if accelerator_api.is_available() else None
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
 def _accelerator_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
     """Every non-CPU device whose RNG the region may draw from.
 
@@ -454,8 +462,8 @@ def _accelerator_devices(tensors: list[torch.Tensor]) -> list[torch.device]:
     ``torch.utils.checkpoint`` would then replay the wrong RNG stream.
     """
     devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
-    if torch.accelerator.is_available():
-        accelerator = torch.accelerator.current_accelerator()
+    accelerator = _current_accelerator()
+    if accelerator is not None:
         module = torch.get_device_module(accelerator.type)
         initialized = getattr(module, "is_initialized", lambda: True)()
         if initialized:
@@ -500,8 +508,9 @@ class _AutocastSnapshot:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         device_types = {"cpu"} | {t.device.type for t in tensors if t.device.type != "meta"}
-        if torch.accelerator.is_available():
-            device_types.add(torch.accelerator.current_accelerator().type)
+        accelerator = _current_accelerator()
+        if accelerator is not None:
+            device_types.add(accelerator.type)
         self.cache_enabled = torch.is_autocast_cache_enabled()
         self.settings = {
             kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
