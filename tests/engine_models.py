@@ -38,6 +38,23 @@ class Routed(nn.Module):
         self.call: Call = plain_call
 
 
+class BlockChain(Routed):
+    """``self.blocks`` (set by the subclass) run one after another, each block a region."""
+
+    blocks: nn.ModuleList
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.call(block, x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run_blocks(x)
+
+    def regions(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+
 def set_call(model: nn.Module, call: Call) -> None:
     """Make every ``Routed`` module inside ``model`` call its regions through ``call``."""
     for module in model.modules():
@@ -146,7 +163,7 @@ class MLPBlock(nn.Module):
         return self.dropout(self.activation(self.linear(x)))
 
 
-class MLPChain(Routed):
+class MLPChain(BlockChain):
     """A chain of ``MLPBlock``s, each one a region."""
 
     def __init__(
@@ -163,14 +180,6 @@ class MLPChain(Routed):
             MLPBlock(widths[i], widths[i + 1], activations[i], dropouts[i]) for i in range(depth)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = self.call(block, x)
-        return x
-
-    def regions(self) -> list[nn.Module]:
-        return list(self.blocks)
-
 
 class ConvBlock(nn.Module):
     """Conv2d, BatchNorm2d, ReLU: BatchNorm updates its running statistics in every forward."""
@@ -185,7 +194,7 @@ class ConvBlock(nn.Module):
         return self.relu(self.norm(self.conv(x)))
 
 
-class SmallCNN(Routed):
+class SmallCNN(BlockChain):
     """ConvBlocks (the regions), then a head that is never checkpointed."""
 
     def __init__(self, channels: int = 3, width: int = 6, depth: int = 3, classes: int = 5):
@@ -196,13 +205,7 @@ class SmallCNN(Routed):
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images
-        for block in self.blocks:
-            x = self.call(block, x)
-        return self.head(x)
-
-    def regions(self) -> list[nn.Module]:
-        return list(self.blocks)
+        return self.head(self.run_blocks(images))
 
 
 class AttentionBlock(nn.Module):
@@ -247,7 +250,7 @@ class AttentionBlock(nn.Module):
         return x, aux_loss, seq
 
 
-class AttentionNet(Routed):
+class AttentionNet(BlockChain):
     """A stack of ``AttentionBlock``s called with keyword arguments; returns a tuple."""
 
     def __init__(self, dim: int = 8, heads: int = 2, depth: int = 2, dropout: float = 0.2):
@@ -267,9 +270,6 @@ class AttentionNet(Routed):
             lengths.append(length)
         return x, aux_total, lengths
 
-    def regions(self) -> list[nn.Module]:
-        return list(self.blocks)
-
 
 class LoRABlock(nn.Module):
     """A frozen base Linear plus a trainable low-rank adapter, then GELU and dropout."""
@@ -286,20 +286,12 @@ class LoRABlock(nn.Module):
         return self.drop(F.gelu(self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()))
 
 
-class LoRANet(Routed):
+class LoRANet(BlockChain):
     """Frozen base with trainable adapters; its input does not require grad (invariant 4)."""
 
     def __init__(self, width: int = 8, depth: int = 3) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(LoRABlock(width) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = self.call(block, x)
-        return x
-
-    def regions(self) -> list[nn.Module]:
-        return list(self.blocks)
 
 
 class Segment(Routed):
