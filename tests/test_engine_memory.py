@@ -84,6 +84,14 @@ def attention_matmul_output_bytes(batch: int, seq: int, dim: int, heads: int) ->
     return (qkv + attention + proj) * FLOAT_BYTES
 
 
+def region_and_input(region_kind: str):
+    """A fresh region of that kind and the function that makes its input."""
+    if region_kind == "attention":
+        torch.manual_seed(0)
+        return AttentionRegion(), attention_input()
+    return mlp_region(), mlp_input()
+
+
 def retained_by_forward(region: nn.Module, make_input, policy, checkpointing: bool = True):
     """Bytes the region retains after forward beyond its output, and its input's bytes.
 
@@ -122,11 +130,7 @@ def attention_input():
 @pytest.mark.parametrize("region_kind", ["mlp-with-dropout", "attention"])
 def test_policy_none_retains_exactly_the_inputs(region_kind: str) -> None:
     """(a) With policy=None the region keeps its input and nothing else after forward."""
-    if region_kind == "attention":
-        torch.manual_seed(0)
-        region, make_input = AttentionRegion(), attention_input()
-    else:
-        region, make_input = mlp_region(), mlp_input()
+    region, make_input = region_and_input(region_kind)
     retained, input_bytes = retained_by_forward(region, make_input, policy=None)
     assert input_bytes > 0
     assert retained == input_bytes
@@ -213,11 +217,7 @@ def test_save_matmuls_retains_attention_outputs(policy: str) -> None:
 @pytest.mark.parametrize("region_kind", ["mlp-with-dropout", "attention"])
 def test_without_checkpointing_the_region_retains_strictly_more(region_kind: str) -> None:
     """(c) The plain region keeps more than with save-matmuls, which keeps more than None."""
-    if region_kind == "attention":
-        torch.manual_seed(0)
-        region, make_input = AttentionRegion(), attention_input()
-    else:
-        region, make_input = mlp_region(), mlp_input()
+    region, make_input = region_and_input(region_kind)
     plain, input_bytes = retained_by_forward(region, make_input, None, checkpointing=False)
     selective, _ = retained_by_forward(region, make_input, "save-matmuls")
     everything, _ = retained_by_forward(region, make_input, None)
