@@ -1,0 +1,217 @@
+"""Segments: consecutive blocks called by the model's own loop, checkpointed as one region.
+
+Engine invariants 1, 3, 5 and 6 for ``gradckpt.segments.checkpoint_segments``, which plans with
+segments longer than one block (sqrt, optimal) rely on: bit-identical training with disjoint and
+nested segments, exactly the segment inputs kept through the forward pass, nothing installed
+without grad, and clear errors for segments that cannot work.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from gradckpt import UsageError
+from gradckpt.models import GPTConfig, TinyGPT
+from gradckpt.segments import checkpoint_segments
+
+LAYERS = 6
+CONFIG = GPTConfig(n_layer=LAYERS, n_embd=32, n_head=2, block_size=16, dropout=0.1)
+
+
+def tiny_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(CONFIG)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def training_step(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    idx = tokens()
+    torch.manual_seed(3)  # dropout masks
+    loss = model(idx, targets=idx)
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def hooks_on_top() -> object:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+LAYOUTS = {
+    "two-halves": [(0, 2), (3, 5)],
+    "one-segment": [(0, 5)],
+    "nested": [(0, 5), (0, 2), (3, 5), (0, 0), (4, 4)],
+    "mixed": [(1, 1), (2, 4), (3, 3)],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_training_step_is_bit_identical(layout: list[tuple[int, int]]) -> None:
+    """Invariants 1 and 5: loss and every gradient equal the plain model's, dropout included."""
+    plain = tiny_gpt()
+    expected_loss, expected_grads = training_step(plain)
+    model = tiny_gpt()
+    handle = checkpoint_segments(list(model.transformer.h), layout)
+    loss, grads = training_step(model)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+    assert hooks_on_top() is None  # every segment closed its hooks
+    handle.remove()
+
+
+def test_nested_segments_recompute_inner_blocks_again() -> None:
+    """Invariant 6 with nesting, counting *completed* block calls. Every block completes in the
+    forward pass. (0, 5)'s recomputation stops at block 3, as soon as (3, 5)'s input (its last
+    saved tensor) exists: blocks 0-2 complete again. (0, 2)'s recomputation completes blocks 0
+    and 1 and stops inside block 2 (the last saving op); (3, 5)'s completes 3 and 4 and stops
+    inside 5; (0, 0)'s and (4, 4)'s stop inside their block."""
+    model = tiny_gpt()
+    calls = [0] * LAYERS
+    for index, block in enumerate(model.transformer.h):
+        block.register_forward_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+    checkpoint_segments(list(model.transformer.h), LAYOUTS["nested"])
+    training_step(model)
+    assert calls == [3, 3, 2, 2, 2, 1]
+
+
+def retained_after_forward(model: TinyGPT) -> int:
+    """Bytes held after the forward pass beyond parameters (activations kept for backward)."""
+    idx = tokens()
+    tracker = MemTracker()
+    tracker.track_external(model, idx)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        loss = model(idx, targets=idx)
+        after = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+    del loss
+    return after - before
+
+
+def test_a_segment_keeps_only_its_first_blocks_input() -> None:
+    """Invariant 6 (memory): per-block checkpointing keeps six block inputs through the forward
+    pass, two segments of three blocks keep two; measured, the difference is exactly four."""
+    hidden_bytes = 2 * 16 * CONFIG.n_embd * 4  # batch x seq x n_embd float32
+    per_block = tiny_gpt()
+    checkpoint_segments(list(per_block.transformer.h), [(i, i) for i in range(LAYERS)])
+    halves = tiny_gpt()
+    checkpoint_segments(list(halves.transformer.h), LAYOUTS["two-halves"])
+    assert retained_after_forward(per_block) - retained_after_forward(halves) == 4 * hidden_bytes
+
+
+def test_without_grad_nothing_is_installed() -> None:
+    """Invariant 3: under no_grad the hooks do nothing and outputs are the plain model's."""
+    plain = tiny_gpt().eval()
+    model = tiny_gpt().eval()
+    checkpoint_segments(list(model.transformer.h), LAYOUTS["nested"])
+    seen = []
+    model.transformer.h[2].register_forward_hook(lambda *_: seen.append(hooks_on_top()))
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), plain(tokens()))
+    assert seen == [None]
+
+
+def test_remove_restores_the_plain_model() -> None:
+    model = tiny_gpt()
+    handle = checkpoint_segments(list(model.transformer.h), LAYOUTS["two-halves"])
+    handle.remove()
+    seen = []
+    model.transformer.h[1].register_forward_hook(lambda *_: seen.append(hooks_on_top()))
+    training_step(model)
+    assert seen == [None]
+
+
+def test_a_block_that_raises_leaves_no_hooks_behind() -> None:
+    model = tiny_gpt()
+    checkpoint_segments(list(model.transformer.h), LAYOUTS["nested"])
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    hook = model.transformer.h[3].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        training_step(model)
+    assert hooks_on_top() is None
+    hook.remove()
+    model.zero_grad(set_to_none=True)
+    expected_loss, _ = training_step(tiny_gpt())
+    assert torch.equal(training_step(model)[0], expected_loss)  # and it still trains
+
+
+class Interrupted(nn.Module):
+    """A chain whose loop does work between blocks: not a pure chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * 2.0
+        return x
+
+
+def test_work_between_blocks_is_a_clear_error() -> None:
+    model = Interrupted()
+    checkpoint_segments(list(model.blocks), [(0, 2)])
+    with pytest.raises(UsageError, match="not called with the output of block 0"):
+        model(torch.randn(2, 4, requires_grad=True))
+    assert hooks_on_top() is None
+
+
+def test_single_block_segments_work_with_work_between_blocks() -> None:
+    plain, model = Interrupted(), Interrupted()
+    model.load_state_dict(plain.state_dict())
+    checkpoint_segments(list(model.blocks), [(0, 0), (1, 1), (2, 2)])
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = torch.autograd.grad(plain(x).sum(), [x, *plain.parameters()])
+    actual = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(actual, expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("segments", "message"),
+    [
+        ([(0, 6)], "0 <= start <= end < 6"),
+        ([(3, 2)], "0 <= start <= end < 6"),
+        ([(0, 3), (2, 4)], "overlap without one containing the other"),
+        ([(1, 2), (1, 2)], "given twice"),
+        ([(0, 1.5)], "not a range of block indices"),
+    ],
+)
+def test_bad_segments_are_usage_errors(segments: list, message: str) -> None:
+    model = tiny_gpt()
+    with pytest.raises(UsageError, match=message):
+        checkpoint_segments(list(model.transformer.h), segments)
+
+
+def test_hugging_face_llama_layers_as_segments() -> None:
+    """Decoder layers called with keyword arguments (position embeddings, masks) replay them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config).train()
+    model = copy.deepcopy(plain)
+    checkpoint_segments(list(model.model.layers), [(0, 3), (0, 1), (2, 3)])
+    input_ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(m: nn.Module) -> tuple:
+        torch.manual_seed(3)
+        loss = m(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in m.parameters()]
+
+    expected_loss, expected_grads = step(plain)
+    loss, grads = step(model)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
