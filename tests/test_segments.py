@@ -52,13 +52,17 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("policy", [None, "save-matmuls", "offload-matmuls"])
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_training_step_is_bit_identical(layout: list[tuple[int, int]]) -> None:
-    """Invariants 1 and 5: loss and every gradient equal the plain model's, dropout included."""
+def test_training_step_is_bit_identical(layout: list[tuple[int, int]], policy: str | None) -> None:
+    """Invariants 1 and 5: loss and every gradient equal the plain model's, dropout included,
+    with every segment under the same op-level policy."""
     plain = tiny_gpt()
     expected_loss, expected_grads = training_step(plain)
     model = tiny_gpt()
-    handle = checkpoint_segments(list(model.transformer.h), layout)
+    handle = checkpoint_segments(
+        list(model.transformer.h), layout, policies=[policy] * len(layout)
+    )
     loss, grads = training_step(model)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
