@@ -4,6 +4,7 @@ The engine (``checkpoint``, ``checkpoint_module``) decides, for each tensor a re
 for backward, whether to keep it, recompute it or offload it. See DESIGN.md for the pipeline.
 """
 
+from .blocks import find_blocks
 from .engine import (
     checkpoint,
     checkpoint_module,
@@ -26,6 +27,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_module",
     "debug_mode",
+    "find_blocks",
     "is_checkpointed",
     "offload_matmuls",
     "save_matmuls",
