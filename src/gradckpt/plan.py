@@ -1,0 +1,238 @@
+"""Plans: which blocks are checkpointed in which segments, and what that is predicted to cost.
+
+A plan is a list of top-level ``Segment``s over the chain of blocks; blocks in no segment are
+kept as usual. A segment's ``children`` are segments inside it: while the segment is recomputed
+in backward, its children are checkpointed again (nested schedules, Beaumont et al.'s optimal
+"rotor" schedules), and the blocks in none of its children keep what they save.
+
+``simulate(profile, segments)`` is the cost model every solver optimizes and every prediction
+comes from: it walks the training step as the engine runs it (see ``docs/engine.md``, segments)
+and returns the chain's peak memory and the extra (recomputation) time.
+
+The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``BlockProfile``):
+
+- forward, block kept: it adds s_i to what is retained (its input included if its graph keeps
+  that); while it runs, memory peaks at retained + its input + ``forward_peak_bytes``;
+- forward, segment s..e: it retains x_s only; its blocks run with nothing else retained;
+- backward, block kept: peak at retained + gradient x_(i+1) + ``backward_peak_bytes``; then
+  its s_i is released;
+- backward, segment: its blocks run forward again (the children plan applies, with the incoming
+  gradient x_(e+1) alive), costing their forward time, then their backward as above; then x_s is
+  released. A segment with a policy keeps its blocks' matmul outputs from the first forward and
+  recomputes only the rest of their forward time.
+
+Example:
+    >>> from gradckpt.profile_types import BlockProfile, Profile
+    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+    >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
+    >>> simulate(profile, [])  # all kept: 4 x 50 retained, plus the last block's gradient
+    (210, 0.0)
+    >>> simulate(profile, [Segment(0, 1), Segment(2, 3)])  # two inputs kept, 4 forwards redone
+    (120, 4.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UsageError
+from .profile_types import BlockProfile, Profile
+
+__all__ = ["Segment", "Plan", "simulate"]
+
+
+@dataclass
+class Segment:
+    """Blocks ``start``..``end`` (inclusive) checkpointed as one region.
+
+    ``children``: segments inside it, checkpointed again during its recomputation. ``policy``:
+    an op-level preset (``"save-matmuls"``) for the blocks of this segment that are in no child.
+    """
+
+    start: int
+    end: int
+    children: list[Segment] = field(default_factory=list)
+    policy: str | None = None
+
+    def blocks(self) -> range:
+        return range(self.start, self.end + 1)
+
+
+@dataclass
+class Plan:
+    """A solver's answer: the segments, and what they are predicted to cost.
+
+    - ``strategy``: the solver that made it; ``budget_bytes``: the budget it was asked to meet.
+    - ``predicted_peak_bytes``: the step's predicted peak memory under the plan.
+    - ``predicted_overhead``: predicted extra step time as a fraction of the step without
+      checkpointing (0.25 = 25% slower).
+    """
+
+    strategy: str
+    budget_bytes: int | None
+    segments: list[Segment]
+    predicted_peak_bytes: int
+    predicted_extra_seconds: float
+    predicted_overhead: float
+    block_names: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """The plan as a JSON string (``Plan.from_json`` reads it back)."""
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read a plan written by ``to_json``."""
+        try:
+            data = json.loads(text)
+            data["segments"] = [_segment_from_dict(item) for item in data["segments"]]
+            return cls(**data)
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise UsageError(f"not a gradckpt plan (JSON from Plan.to_json()): {error}") from None
+
+
+def _segment_from_dict(data: dict[str, Any]) -> Segment:
+    children = [_segment_from_dict(child) for child in data.get("children", [])]
+    return Segment(data["start"], data["end"], children, data.get("policy"))
+
+
+def plan_for(
+    profile: Profile, strategy: str, budget_bytes: int | None, segments: list[Segment]
+) -> Plan:
+    """Wrap segments into a ``Plan`` with the predictions ``simulate`` makes for them.
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> profile = Profile([BlockProfile("b", 10, 10, 50, True, 1.0, 2.0)], 1050, 1000, 4.0)
+        >>> plan_for(profile, "every-layer", None, [Segment(0, 0)]).predicted_overhead
+        0.25
+    """
+    chain_peak, extra_seconds = simulate(profile, segments)
+    return Plan(
+        strategy=strategy,
+        budget_bytes=budget_bytes,
+        segments=segments,
+        predicted_peak_bytes=profile.fixed_bytes + chain_peak,
+        predicted_extra_seconds=extra_seconds,
+        predicted_overhead=extra_seconds / profile.step_seconds if profile.step_seconds else 0.0,
+        block_names=[block.name for block in profile.blocks],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model
+# --------------------------------------------------------------------------------------------
+
+
+def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
+    """The chain's peak memory (bytes, above ``fixed_bytes``) and extra seconds under a plan."""
+    blocks = profile.blocks
+    _check_segments(segments, 0, len(blocks) - 1)
+    walk = _Walk(blocks)
+    retained, forward_peak, added = walk.forward(_items(segments, 0, len(blocks) - 1), 0, False, 0)
+    backward_peak, _ = walk.backward(_items(segments, 0, len(blocks) - 1), added, retained)
+    return max(forward_peak, backward_peak), walk.extra_seconds
+
+
+def _items(segments: list[Segment], start: int, end: int) -> list[int | Segment]:
+    """Blocks start..end in order, with each segment standing for its blocks."""
+    by_start = {segment.start: segment for segment in segments}
+    items: list[int | Segment] = []
+    index = start
+    while index <= end:
+        if index in by_start:
+            items.append(by_start[index])
+            index = by_start[index].end + 1
+        else:
+            items.append(index)
+            index += 1
+    return items
+
+
+def _check_segments(segments: list[Segment], start: int, end: int) -> None:
+    previous_end = start - 1
+    for segment in sorted(segments, key=lambda s: s.start):
+        if not (previous_end < segment.start <= segment.end <= end):
+            raise UsageError(
+                f"segment {segment.start}-{segment.end} does not fit: segments must lie within "
+                f"blocks {start}-{end} and must not overlap"
+            )
+        _check_segments(segment.children, segment.start, segment.end)
+        previous_end = segment.end
+
+
+class _Walk:
+    """Walks a step through the chain, tracking retained bytes; accumulates recompute time."""
+
+    def __init__(self, blocks: list[BlockProfile]) -> None:
+        self.blocks = blocks
+        self.extra_seconds = 0.0
+
+    def forward(
+        self, items: list[int | Segment], retained: int, input_retained: bool, alive: int,
+        kept_by_policy: frozenset[int] = frozenset(),
+    ) -> tuple[int, int, list[int]]:
+        """Run items forward. ``input_retained``: the first item's input is already counted in
+        ``retained``; ``alive``: bytes alive throughout (a gradient waiting for this part);
+        ``kept_by_policy``: blocks whose matmul outputs are already retained.
+        Returns retained after, the peak, and what each item added (released in backward)."""
+        peak = 0
+        added_per_item = []
+        for item in items:
+            if isinstance(item, Segment):
+                block = self.blocks[item.start]
+                added = 0 if input_retained else block.input_bytes
+                if item.policy is not None:
+                    added += sum(self.blocks[j].matmul_bytes for j in _policy_blocks(item))
+                retained += added
+                for j in item.blocks():
+                    hidden = 0 if j == item.start else self.blocks[j].input_bytes
+                    peak = max(peak, alive + retained + hidden + self.blocks[j].forward_peak_bytes)
+            else:
+                block = self.blocks[item]
+                hidden = 0 if input_retained else block.input_bytes
+                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes)
+                added = block.saved_bytes
+                if input_retained and block.input_saved:
+                    added -= block.input_bytes  # the same tensor, retained already
+                if item in kept_by_policy:
+                    added -= block.matmul_bytes  # kept from the first forward already
+                retained += added
+            added_per_item.append(added)
+            input_retained = False
+        return retained, peak, added_per_item
+
+    def backward(
+        self, items: list[int | Segment], added_per_item: list[int], retained: int
+    ) -> tuple[int, int]:
+        """Run items' backward in reverse; returns the peak and retained after."""
+        peak = 0
+        for item, added in zip(reversed(items), reversed(added_per_item), strict=True):
+            if isinstance(item, Segment):
+                gradient = self.blocks[item.end].output_bytes
+                inner_items = _items(item.children, item.start, item.end)
+                policy_blocks = frozenset(_policy_blocks(item)) if item.policy else frozenset()
+                self.extra_seconds += sum(
+                    self.blocks[j].forward_seconds
+                    - (self.blocks[j].matmul_seconds if j in policy_blocks else 0.0)
+                    for j in item.blocks()
+                )
+                inner_retained, inner_forward_peak, inner_added = self.forward(
+                    inner_items, retained, True, gradient, policy_blocks
+                )
+                inner_backward_peak, _ = self.backward(inner_items, inner_added, inner_retained)
+                peak = max(peak, inner_forward_peak, inner_backward_peak)
+            else:
+                block = self.blocks[item]
+                peak = max(peak, retained + block.output_bytes + block.backward_peak_bytes)
+            retained -= added
+        return peak, retained
+
+
+def _policy_blocks(segment: Segment) -> list[int]:
+    """The blocks of a segment that its own policy governs: those in none of its children."""
+    inside_children = {j for child in segment.children for j in child.blocks()}
+    return [j for j in segment.blocks() if j not in inside_children]

@@ -1,0 +1,90 @@
+"""What a profile knows about a model: per-block sizes and times, and the step as a whole.
+
+``gradckpt.profile`` measures these on a real training step; ``gradckpt.estimate`` will predict
+them. The solvers read nothing else, so everything a plan's cost depends on is here, in bytes and
+seconds.
+
+Example:
+    >>> block = BlockProfile(name="h.0", input_bytes=100, output_bytes=100, saved_bytes=500,
+    ...                      input_saved=True, forward_seconds=1.0, backward_seconds=2.0)
+    >>> profile = Profile(blocks=[block], peak_bytes=2000, fixed_bytes=1400, step_seconds=3.5)
+    >>> Profile.from_json(profile.to_json()) == profile
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UsageError
+
+__all__ = ["BlockProfile", "Profile"]
+
+
+@dataclass
+class BlockProfile:
+    """One block of the chain, run plainly (no checkpointing).
+
+    - ``input_bytes``: its hidden-state input (what a segment starting here keeps).
+    - ``output_bytes``: its hidden-state output (the next block's input, and the size of the
+      gradient flowing back into it).
+    - ``saved_bytes``: what its autograd graph keeps alive after its forward pass, its input
+      included when the graph keeps that (``input_saved``).
+    - ``forward_seconds``, ``backward_seconds``: time of its forward and backward pass.
+    - ``forward_peak_bytes``: the most memory its forward pass holds above what was allocated when
+      it started (temporaries, its output and what it saves).
+    - ``backward_peak_bytes``: the same for its backward pass, above what was allocated when that
+      started (its saved tensors and the incoming gradient are already counted there).
+    - ``matmul_bytes``, ``matmul_seconds``: outputs and forward time of its matrix multiplies and
+      attention kernels: what ``policy="save-matmuls"`` keeps and then does not recompute.
+    """
+
+    name: str
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    input_saved: bool
+    forward_seconds: float
+    backward_seconds: float
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+    matmul_bytes: int = 0
+    matmul_seconds: float = 0.0
+
+
+@dataclass
+class Profile:
+    """A model's chain of blocks plus the step around it.
+
+    - ``peak_bytes``: the measured peak memory of one training step without checkpointing.
+    - ``fixed_bytes``: the part of that peak the chain does not explain (parameters, gradients,
+      buffers, embeddings, logits and loss); a plan's predicted peak is this plus the chain's
+      peak under the plan.
+    - ``step_seconds``: the measured time of one training step without checkpointing.
+    """
+
+    blocks: list[BlockProfile]
+    peak_bytes: int
+    fixed_bytes: int
+    step_seconds: float
+    device: str = "cpu"
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The profile as a JSON string (``Profile.from_json`` reads it back)."""
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        """Read a profile written by ``to_json``."""
+        try:
+            data = json.loads(text)
+            blocks = [BlockProfile(**block) for block in data.pop("blocks")]
+            return cls(blocks=blocks, **data)
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise UsageError(
+                f"not a gradckpt profile (JSON from Profile.to_json()): {error}"
+            ) from None

@@ -1,0 +1,95 @@
+"""The cost model (``gradckpt.plan.simulate``) on chains small enough to work out by hand, and
+the Plan/Profile types' JSON round trips and errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradckpt import UsageError
+from gradckpt.plan import Plan, Segment, plan_for, simulate
+from gradckpt.profile_types import BlockProfile, Profile
+
+
+def chain(n: int = 4, **overrides: object) -> Profile:
+    """n identical blocks: input/output 10 B, saves 50 B (its input included), 1 s / 2 s."""
+    fields = dict(
+        input_bytes=10, output_bytes=10, saved_bytes=50, input_saved=True,
+        forward_seconds=1.0, backward_seconds=2.0,
+    )
+    fields.update(overrides)
+    blocks = [BlockProfile(name=f"h.{i}", **fields) for i in range(n)]
+    return Profile(blocks, peak_bytes=1000 + 210, fixed_bytes=1000, step_seconds=12.0)
+
+
+def test_no_checkpointing_retains_everything_and_costs_nothing() -> None:
+    # forward retains 4 x 50; the last block's backward adds its 10-byte incoming gradient
+    assert simulate(chain(), []) == (210, 0.0)
+
+
+def test_every_layer_keeps_inputs_and_recomputes_each_block_once() -> None:
+    # forward keeps 4 inputs (40); recomputing block 3 with its gradient (10) alive retains its
+    # 40 saved bytes beyond the input, and its backward adds the gradient: 40 + 40 + 10
+    assert simulate(chain(), [Segment(i, i) for i in range(4)]) == (90, 4.0)
+
+
+def test_two_segments() -> None:
+    # forward keeps inputs 0 and 2 (20); recomputing blocks 2-3: 20 + 40 + 50, plus gradient 10
+    assert simulate(chain(), [Segment(0, 1), Segment(2, 3)]) == (120, 4.0)
+
+
+def test_one_segment_over_everything_saves_no_peak() -> None:
+    assert simulate(chain(), [Segment(0, 3)]) == (210, 4.0)
+
+
+def test_nested_segments_recompute_inner_blocks_again() -> None:
+    plan = [Segment(0, 3, children=[Segment(0, 1), Segment(2, 3)])]
+    assert simulate(chain(), plan) == (120, 8.0)
+
+
+def test_a_policy_keeps_matmul_outputs_and_skips_their_recomputation() -> None:
+    profile = chain(matmul_bytes=20, matmul_seconds=0.25)
+    peak_full, extra_full = simulate(profile, [Segment(i, i) for i in range(4)])
+    peak_kept, extra_kept = simulate(
+        profile, [Segment(i, i, policy="save-matmuls") for i in range(4)]
+    )
+    assert extra_full == 4.0 and extra_kept == 3.0  # 4 x (1 s - 0.25 s)
+    assert peak_kept == peak_full + 4 * 20 - 20  # the kept outputs, once for the last block
+
+
+def test_transients_count_where_they_happen() -> None:
+    profile = chain(forward_peak_bytes=5, backward_peak_bytes=7)
+    assert simulate(profile, []) == (210 + 7, 0.0)
+
+
+def test_plan_for_predicts_peak_and_overhead() -> None:
+    plan = plan_for(chain(), "every-layer", None, [Segment(i, i) for i in range(4)])
+    assert plan.predicted_peak_bytes == 1000 + 90
+    assert plan.predicted_overhead == pytest.approx(4.0 / 12.0)
+    assert plan.block_names == ["h.0", "h.1", "h.2", "h.3"]
+
+
+def test_plan_and_profile_round_trip_through_json() -> None:
+    plan = plan_for(
+        chain(), "optimal", 1100, [Segment(0, 3, [Segment(0, 1, policy="save-matmuls")])]
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+    profile = chain(matmul_bytes=3)
+    assert Profile.from_json(profile.to_json()) == profile
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [[Segment(0, 4)], [Segment(2, 1)], [Segment(0, 2), Segment(2, 3)],
+     [Segment(0, 1, children=[Segment(1, 2)])]],
+)
+def test_segments_that_do_not_fit_are_usage_errors(segments: list[Segment]) -> None:
+    with pytest.raises(UsageError, match="does not fit"):
+        simulate(chain(), segments)
+
+
+@pytest.mark.parametrize("reader", [Plan.from_json, Profile.from_json])
+def test_reading_something_else_is_a_usage_error(reader) -> None:
+    with pytest.raises(UsageError, match="not a gradckpt"):
+        reader('{"hello": 1}')
+    with pytest.raises(UsageError, match="not a gradckpt"):
+        reader("not json")
