@@ -64,8 +64,8 @@ def loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -
     """The scalar to call backward on: ``loss_fn(output)``, else ``output.loss``, else the sum.
 
     Example:
-        >>> loss_of(torch.ones(2, 3))
-        tensor(6.)
+        >>> loss_of(torch.ones(2, 3, requires_grad=True))
+        tensor(6., grad_fn=<SumBackward0>)
     """
     if loss_fn is not None:
         loss = loss_fn(output)
