@@ -4,6 +4,7 @@ The engine (``checkpoint``, ``checkpoint_module``) decides, for each tensor a re
 for backward, whether to keep it, recompute it or offload it. See DESIGN.md for the pipeline.
 """
 
+from .apply import apply, disable
 from .blocks import find_blocks
 from .engine import (
     checkpoint,
@@ -30,9 +31,11 @@ __all__ = [
     "Profile",
     "UsageError",
     "__version__",
+    "apply",
     "checkpoint",
     "checkpoint_module",
     "debug_mode",
+    "disable",
     "find_blocks",
     "is_checkpointed",
     "offload_matmuls",

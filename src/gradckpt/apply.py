@@ -1,0 +1,84 @@
+"""Installing a plan on a model, and taking it off again.
+
+``apply(model, plan)`` finds the plan's blocks in the model by name and checkpoints the plan's
+segments (nested ones included) with ``gradckpt.segments.checkpoint_segments``: hooks on the
+blocks, nothing else. Parameters, their names, ``state_dict`` keys and outputs do not change.
+``disable(model)`` removes the hooks: the model runs exactly as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+
+from .blocks import resolve_blocks
+from .errors import UsageError
+from .plan import Plan, Segment
+from .segments import SegmentsHandle, checkpoint_segments
+
+__all__ = ["apply", "disable"]
+
+# The hooks installed on each model, so that disable() and a second apply() can remove them.
+_installed: weakref.WeakKeyDictionary[nn.Module, SegmentsHandle] = weakref.WeakKeyDictionary()
+
+
+def apply(model: nn.Module, plan: Plan) -> None:
+    """Checkpoint ``model`` as ``plan`` says, replacing any plan applied before.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.plan import Plan, Segment
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+        >>> plan = Plan("sqrt", None, [Segment(0, 1), Segment(2, 3)], 0, 0.0, 0.0,
+        ...             block_names=["0", "1", "2", "3"])
+        >>> gradckpt.apply(model, plan)
+        >>> model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        >>> gradckpt.disable(model)
+    """
+    if not isinstance(plan, Plan):
+        raise UsageError(f"apply() needs a gradckpt.Plan, got {type(plan).__name__}")
+    if not plan.block_names:
+        raise UsageError("the plan names no blocks; make it with gradckpt.solve(profile, ...)")
+    try:
+        named_blocks = resolve_blocks(model, plan.block_names)
+    except UsageError as error:
+        raise UsageError(
+            f"this plan was made for another model: its blocks are not all in "
+            f"{type(model).__name__} ({error})"
+        ) from None
+    flat = _flatten(plan.segments)
+    for segment in flat:
+        if segment.policy is not None and segment.children:
+            # The engine's policy mode of a segment also sees its children's operations, while
+            # the cost model lets the policy govern only blocks outside the children.
+            raise UsageError(
+                f"segment {segment.start}-{segment.end} has both a policy and nested segments; "
+                "the engine supports a policy only on segments without children"
+            )
+    disable(model)
+    if not flat:
+        return  # plan "none": nothing to install, nothing to pay
+    names = [f"{plan.block_names[s.start]}..{plan.block_names[s.end]}" for s in flat]
+    _installed[model] = checkpoint_segments(
+        [module for _, module in named_blocks],
+        [(s.start, s.end) for s in flat],
+        policies=[s.policy for s in flat],
+        names=names,
+    )
+
+
+def disable(model: nn.Module) -> None:
+    """Remove whatever ``apply`` installed on ``model``; a no-op if nothing is.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> gradckpt.disable(torch.nn.Linear(2, 2))
+    """
+    handle = _installed.pop(model, None)
+    if handle is not None:
+        handle.remove()
+
+
+def _flatten(segments: list[Segment]) -> list[Segment]:
+    return [item for segment in segments for item in (segment, *_flatten(segment.children))]
