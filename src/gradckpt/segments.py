@@ -158,6 +158,7 @@ class SegmentsHandle:
             run = self.runs.pop(segment, None)
             if run is not None:
                 run.contexts.close()
+                run.last_output = None  # the run lives on for recomputation; this must not
 
     # ---- opening, recording, closing ------------------------------------------------------
 
