@@ -1,0 +1,111 @@
+"""Solvers: pure functions from a ``Profile`` and a budget to the segments of a plan.
+
+Each strategy is one module with one function ``(profile, budget_bytes) -> list[Segment]``; no
+torch inside, so each can be tested exhaustively. ``solve`` picks one by name, parses the budget,
+wraps the segments in a ``Plan`` (predictions from ``gradckpt.plan.simulate``) and raises
+``BudgetError`` when the plan does not fit.
+
+- ``"none"``, ``"every-layer"``, ``"sqrt"``: fixed plans, the same whatever the budget; the budget
+  may be ``None``. Given a budget their plan exceeds, ``BudgetError.minimum_bytes`` is that
+  plan's own predicted peak (the smallest budget *this strategy* meets; another strategy may
+  meet a smaller one).
+- ``"chen-greedy"``, ``"optimal"``: chosen for the budget, which is required. When nothing they
+  can produce fits, ``minimum_bytes`` is the lowest peak any of their plans reaches.
+
+Example:
+    >>> from gradckpt.profile_types import BlockProfile, Profile
+    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+    >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
+    >>> plan = solve(profile, 1120)
+    >>> plan.predicted_peak_bytes <= 1120, plan.predicted_extra_seconds
+    (True, 2.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..budget import format_bytes, parse_budget
+from ..errors import BudgetError, UsageError
+from ..plan import Plan, Segment, plan_for
+from ..profile_types import Profile
+from . import chen_greedy, optimal
+from .every_layer import solve_every_layer
+from .none import solve_none
+from .sqrt import solve_sqrt
+
+__all__ = ["STRATEGIES", "BUDGET_DRIVEN", "solve"]
+
+Solver = Callable[[Profile, "int | None"], "list[Segment]"]
+
+STRATEGIES: dict[str, Solver] = {
+    "none": solve_none,
+    "every-layer": solve_every_layer,
+    "sqrt": solve_sqrt,
+    "chen-greedy": chen_greedy.solve_chen_greedy,
+    "optimal": optimal.solve_optimal,
+}
+
+# Strategies whose plan depends on the budget, with the lowest peak any plan of theirs reaches.
+BUDGET_DRIVEN: dict[str, Callable[[Profile], int]] = {
+    "chen-greedy": chen_greedy.minimum_peak_bytes,
+    "optimal": optimal.minimum_peak_bytes,
+}
+
+
+def solve(profile: Profile, budget: int | str | None, strategy: str = "optimal") -> Plan:
+    """The plan ``strategy`` makes for ``profile`` under ``budget``.
+
+    Args:
+        profile: what ``gradckpt.profile`` or ``gradckpt.estimate`` returned.
+        budget: the step's peak memory limit: int bytes or anything ``parse_budget`` reads
+            (``"6GiB"``, ``"60%"`` of ``profile.peak_bytes``, ...); ``None`` (no limit) only
+            for the fixed strategies ``"none"``, ``"every-layer"`` and ``"sqrt"``.
+        strategy: one of ``STRATEGIES``.
+
+    Raises ``UsageError`` for an unknown strategy or a malformed budget, and ``BudgetError``
+    (with ``minimum_bytes``) when the strategy's plan does not fit the budget.
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
+        >>> solve(profile, None, "every-layer").predicted_overhead  # 4 s extra of a 12 s step
+        0.3333333333333333
+        >>> solve(profile, "100%").segments  # fits without checkpointing: nothing to do
+        []
+        >>> solve(profile, 1050)
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.BudgetError: budget 1.03 KiB is below the smallest peak any plan ...
+    """
+    if strategy not in STRATEGIES:
+        raise UsageError(
+            f"unknown strategy {strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
+        )
+    if budget is None:
+        if strategy in BUDGET_DRIVEN:
+            raise UsageError(
+                f"strategy {strategy!r} chooses its plan for a budget, and budget=None gives "
+                f"none; pass a budget ('6GiB', '60%') or use one of the fixed strategies "
+                f"'none', 'every-layer', 'sqrt'"
+            )
+        budget_bytes = None
+    else:
+        budget_bytes = parse_budget(budget, unconstrained_peak_bytes=profile.peak_bytes)
+
+    segments = STRATEGIES[strategy](profile, budget_bytes)
+    plan = plan_for(profile, strategy, budget_bytes, segments)
+    if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
+        if strategy in BUDGET_DRIVEN:
+            minimum_bytes = BUDGET_DRIVEN[strategy](profile)
+            what = "any plan reaches" if strategy == "optimal" else f"any {strategy} plan reaches"
+        else:
+            minimum_bytes = plan.predicted_peak_bytes
+            what = f"the {strategy} plan reaches (strategy='optimal' may reach less)"
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below the smallest peak {what}, "
+            f"{format_bytes(minimum_bytes)}; raise the budget to at least that",
+            minimum_bytes=minimum_bytes,
+        )
+    return plan

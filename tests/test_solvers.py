@@ -1,0 +1,373 @@
+"""The solvers (``gradckpt.solvers``): valid plans, budgets met or refused with the right minimum,
+and the "optimal" DP against brute force over every plan ``simulate`` can evaluate."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradckpt import BudgetError, UsageError
+from gradckpt.budget import format_bytes
+from gradckpt.plan import Segment, simulate
+from gradckpt.profile_types import BlockProfile, Profile
+from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES, solve
+from gradckpt.solvers.chen_greedy import candidate_plans
+from gradckpt.solvers.optimal import minimum_peak_bytes, solve_optimal
+from gradckpt.solvers.sqrt import solve_sqrt
+
+FIXED_BYTES = 1000
+
+
+def homogeneous(n: int, **overrides: object) -> Profile:
+    """n identical blocks: input/output 10 B, saves 50 B (its input included), 1 s / 2 s."""
+    fields = dict(
+        input_bytes=10, output_bytes=10, saved_bytes=50, input_saved=True,
+        forward_seconds=1.0, backward_seconds=2.0,
+    )
+    fields.update(overrides)
+    blocks = [BlockProfile(name=f"h.{i}", **fields) for i in range(n)]
+    return with_peak(Profile(blocks, peak_bytes=0, fixed_bytes=FIXED_BYTES, step_seconds=3.0 * n))
+
+
+def with_peak(profile: Profile) -> Profile:
+    """The profile with peak_bytes what simulate predicts without checkpointing."""
+    profile.peak_bytes = profile.fixed_bytes + simulate(profile, [])[0]
+    return profile
+
+
+def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
+    input_bytes = rng.randint(1, 30)
+    input_saved = rng.random() < 0.7
+    matmul_bytes = rng.randint(0, 25) if matmuls else 0
+    forward_seconds = rng.randint(1, 8) * 0.25
+    return BlockProfile(
+        name=f"h.{index}",
+        input_bytes=input_bytes,
+        output_bytes=rng.randint(1, 30),
+        saved_bytes=(input_bytes if input_saved else 0) + matmul_bytes + rng.randint(0, 40),
+        input_saved=input_saved,
+        forward_seconds=forward_seconds,
+        backward_seconds=rng.randint(1, 8) * 0.25,
+        forward_peak_bytes=rng.randint(0, 20),
+        backward_peak_bytes=rng.randint(0, 20),
+        matmul_bytes=matmul_bytes,
+        # matmuls are part of the forward pass: never more than all of it
+        matmul_seconds=forward_seconds * rng.randint(0, 4) / 4 if matmuls else 0.0,
+    )
+
+
+def random_profile(seed: int, n: int, matmuls: bool = True) -> Profile:
+    rng = random.Random(seed)
+    blocks = [random_block(rng, i, matmuls) for i in range(n)]
+    return with_peak(Profile(blocks, 0, FIXED_BYTES, sum(b.forward_seconds for b in blocks) * 3))
+
+
+def all_plans(start: int, end: int, policies: tuple, whole: tuple | None = None):
+    """Every plan over blocks start..end: each block kept or in a segment, segments nested to any
+    depth (a child a proper sub-range of its parent), each with each policy."""
+    if start > end:
+        yield []
+        return
+    yield from all_plans(start + 1, end, policies)  # block `start` kept
+    for segment_end in range(start, end + 1):
+        if (start, segment_end) == whole:
+            continue
+        for children in all_plans(start, segment_end, policies, whole=(start, segment_end)):
+            for policy in policies:
+                for rest in all_plans(segment_end + 1, end, policies):
+                    yield [Segment(start, segment_end, children, policy), *rest]
+
+
+def assert_valid(segments: list[Segment], start: int, end: int) -> None:
+    """In range, not overlapping, children properly inside their parent (laminar)."""
+    previous_end = start - 1
+    for segment in segments:
+        assert previous_end < segment.start <= segment.end <= end
+        assert segment.policy in (None, "save-matmuls")
+        if segment.children:
+            assert_valid(segment.children, segment.start, segment.end)
+            assert [(c.start, c.end) for c in segment.children] != [(segment.start, segment.end)]
+        previous_end = segment.end
+
+
+def budgets_for(profile: Profile) -> list[int]:
+    """Budgets from below the lowest reachable peak to above the unconstrained one."""
+    low = minimum_peak_bytes(profile)
+    return sorted({low - 1, low, (low + profile.peak_bytes) // 2, profile.peak_bytes - 1,
+                   profile.peak_bytes, profile.peak_bytes + 100})
+
+
+# ------------------------------------------------------------------------------------------
+# solve(): names, budgets, errors
+# ------------------------------------------------------------------------------------------
+
+
+def test_strategies_are_the_documented_names() -> None:
+    assert list(STRATEGIES) == ["none", "every-layer", "sqrt", "chen-greedy", "optimal"]
+
+
+def test_unknown_strategy_lists_valid_names() -> None:
+    with pytest.raises(UsageError) as error:
+        solve(homogeneous(4), "1GiB", strategy="fastest")
+    for name in STRATEGIES:
+        assert name in str(error.value)
+
+
+@pytest.mark.parametrize("budget", ["6 gigs", "6G", "0", -5, "150%", 1.5, True])
+def test_malformed_budget_is_a_usage_error(budget: object) -> None:
+    with pytest.raises(UsageError):
+        solve(homogeneous(4), budget)
+
+
+@pytest.mark.parametrize("strategy", sorted(BUDGET_DRIVEN))
+def test_budget_driven_strategies_need_a_budget(strategy: str) -> None:
+    with pytest.raises(UsageError, match="budget"):
+        solve(homogeneous(4), None, strategy)
+
+
+@pytest.mark.parametrize("budget", [None, "100%", 10**9])
+def test_none_has_zero_overhead(budget: object) -> None:
+    plan = solve(homogeneous(6), budget, "none")
+    assert plan.segments == []
+    assert plan.predicted_overhead == 0.0 and plan.predicted_extra_seconds == 0.0
+    assert plan.predicted_peak_bytes == homogeneous(6).peak_bytes
+
+
+def test_plan_records_strategy_budget_and_names() -> None:
+    profile = homogeneous(8)
+    plan = solve(profile, "90%", "chen-greedy")
+    assert plan.strategy == "chen-greedy"
+    assert plan.budget_bytes == int(profile.peak_bytes * 0.9)
+    assert plan.block_names == [f"h.{i}" for i in range(8)]
+
+
+def test_optimal_without_need_checkpoints_nothing() -> None:
+    for seed in range(10):
+        profile = random_profile(seed, 6)
+        plan = solve(profile, profile.peak_bytes, "optimal")
+        assert plan.segments == [] and plan.predicted_extra_seconds == 0.0
+
+
+# ------------------------------------------------------------------------------------------
+# Every strategy: valid plans; budgets met, or refused with the exact minimum
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("seed", range(8))
+def test_plans_are_valid_and_fit_or_refuse(strategy: str, seed: int) -> None:
+    profile = random_profile(seed, 1 + seed % 7)
+    for budget in budgets_for(profile):
+        try:
+            plan = solve(profile, budget, strategy)
+        except BudgetError:
+            continue
+        assert_valid(plan.segments, 0, len(profile.blocks) - 1)
+        assert plan.predicted_peak_bytes <= budget
+        chain_peak, extra_seconds = simulate(profile, plan.segments)
+        assert plan.predicted_peak_bytes == FIXED_BYTES + chain_peak
+        assert plan.predicted_extra_seconds == extra_seconds
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("seed", range(6))
+def test_budget_error_states_the_exact_minimum(strategy: str, seed: int) -> None:
+    profile = random_profile(100 + seed, 2 + seed)
+    with pytest.raises(BudgetError) as error:
+        solve(profile, 1, strategy)
+    minimum_bytes = error.value.minimum_bytes
+    assert format_bytes(minimum_bytes) in str(error.value)
+    assert "raise the budget" in str(error.value)
+    assert solve(profile, minimum_bytes, strategy).predicted_peak_bytes <= minimum_bytes
+    with pytest.raises(BudgetError) as again:
+        solve(profile, minimum_bytes - 1, strategy)
+    assert again.value.minimum_bytes == minimum_bytes
+    assert isinstance(error.value, ValueError)
+
+
+def test_fixed_strategy_minimum_is_its_own_peak() -> None:
+    profile = homogeneous(16)
+    every_layer_peak = solve(profile, None, "every-layer").predicted_peak_bytes
+    with pytest.raises(BudgetError) as error:
+        solve(profile, every_layer_peak - 1, "every-layer")
+    assert error.value.minimum_bytes == every_layer_peak
+
+
+def test_optimal_minimum_is_below_every_other_strategy() -> None:
+    for seed in range(5):
+        profile = random_profile(200 + seed, 8)
+        lowest = minimum_peak_bytes(profile)
+        for strategy in ("none", "every-layer", "sqrt"):
+            assert lowest <= solve(profile, None, strategy).predicted_peak_bytes
+        assert lowest <= min(FIXED_BYTES + simulate(profile, plan)[0]
+                             for plan in candidate_plans(profile))
+
+
+@pytest.mark.parametrize("strategy", sorted(BUDGET_DRIVEN))
+@pytest.mark.parametrize("seed", range(6))
+def test_more_budget_never_costs_more_time(strategy: str, seed: int) -> None:
+    profile = random_profile(300 + seed, 3 + seed)
+    low = BUDGET_DRIVEN[strategy](profile)
+    budgets = sorted({low + (profile.peak_bytes - low) * k // 12 for k in range(13)})
+    times = [solve(profile, budget, strategy).predicted_extra_seconds for budget in budgets]
+    assert all(later <= earlier for earlier, later in zip(times, times[1:], strict=False))
+    assert times[-1] == 0.0  # the unconstrained peak is enough for no checkpointing
+
+
+def test_optimal_is_never_slower_than_chen_greedy() -> None:
+    for seed in range(6):
+        profile = random_profile(400 + seed, 8)
+        for budget in budgets_for(profile):
+            try:
+                greedy = solve(profile, budget, "chen-greedy")
+            except BudgetError:
+                continue
+            optimal = solve(profile, budget, "optimal")
+            assert optimal.predicted_extra_seconds <= greedy.predicted_extra_seconds + 1e-9
+
+
+# ------------------------------------------------------------------------------------------
+# The fixed strategies
+# ------------------------------------------------------------------------------------------
+
+
+def test_every_layer_recomputes_each_block_once() -> None:
+    for seed in range(10):
+        profile = random_profile(500 + seed, 1 + seed)
+        plan = solve(profile, None, "every-layer")
+        assert [(s.start, s.end) for s in plan.segments] == [(i, i) for i in range(1 + seed)]
+        expected = sum(block.forward_seconds for block in profile.blocks)
+        assert plan.predicted_extra_seconds == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("n", [4, 5, 9, 10, 16, 17, 50, 99, 100, 101, 128, 255, 256])
+def test_sqrt_keeps_about_sqrt_n_checkpoints(n: int) -> None:
+    profile = homogeneous(n)
+    segments = solve(profile, None, "sqrt").segments
+    assert_valid(segments, 0, n - 1)
+    assert [block for s in segments for block in s.blocks()] == list(range(n))
+    assert abs(len(segments) - math.sqrt(n)) <= 1
+    # memory grows with sqrt(n): ~sqrt(n) kept inputs plus one segment of ~sqrt(n) blocks
+    chain_peak, extra_seconds = simulate(profile, segments)
+    assert chain_peak <= 10 * len(segments) + 50 * math.ceil(math.sqrt(n)) + 10
+    assert extra_seconds == n * 1.0  # one extra forward pass
+
+
+def test_sqrt_of_every_length_up_to_256() -> None:
+    for n in range(4, 257):
+        count = len(solve_sqrt(homogeneous(n), None))
+        assert abs(count - math.sqrt(n)) <= 1, n
+
+
+def test_empty_chain() -> None:
+    profile = Profile([], peak_bytes=FIXED_BYTES, fixed_bytes=FIXED_BYTES, step_seconds=1.0)
+    for strategy in STRATEGIES:
+        assert solve(profile, FIXED_BYTES, strategy).segments == []
+
+
+# ------------------------------------------------------------------------------------------
+# "chen-greedy"
+# ------------------------------------------------------------------------------------------
+
+
+def test_chen_greedy_picks_the_fastest_fitting_candidate() -> None:
+    for seed in range(6):
+        profile = random_profile(600 + seed, 10)
+        candidates = [simulate(profile, plan) for plan in candidate_plans(profile)]
+        for budget in budgets_for(profile):
+            fitting = [t for peak, t in candidates if FIXED_BYTES + peak <= budget]
+            if not fitting:
+                with pytest.raises(BudgetError):
+                    solve(profile, budget, "chen-greedy")
+                continue
+            plan = solve(profile, budget, "chen-greedy")
+            assert plan.predicted_extra_seconds == min(fitting)
+
+
+def test_chen_greedy_on_a_homogeneous_chain_lands_near_sqrt() -> None:
+    profile = homogeneous(100)
+    sqrt_plan = solve(profile, None, "sqrt")
+    greedy = solve(profile, sqrt_plan.predicted_peak_bytes, "chen-greedy")
+    assert greedy.predicted_extra_seconds <= sqrt_plan.predicted_extra_seconds
+
+
+# ------------------------------------------------------------------------------------------
+# "optimal" against brute force over every plan simulate can evaluate
+# ------------------------------------------------------------------------------------------
+
+
+def assert_optimal_matches_brute_force(profile: Profile, policies: tuple) -> None:
+    n = len(profile.blocks)
+    outcomes = [simulate(profile, plan) for plan in all_plans(0, n - 1, policies)]
+    peaks = sorted({peak for peak, _ in outcomes})
+    assert minimum_peak_bytes(profile) == FIXED_BYTES + peaks[0]
+    for chain_budget in [peaks[0] - 1, *peaks]:
+        budget = FIXED_BYTES + chain_budget
+        best = min((t for peak, t in outcomes if peak <= chain_budget), default=None)
+        if best is None:
+            with pytest.raises(BudgetError) as error:
+                solve(profile, budget, "optimal")
+            assert error.value.minimum_bytes == FIXED_BYTES + peaks[0]
+            continue
+        plan = solve(profile, budget, "optimal")
+        assert_valid(plan.segments, 0, n - 1)
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.predicted_extra_seconds == pytest.approx(best, abs=1e-9)
+
+
+def test_brute_force_enumerates_every_plan() -> None:
+    # 1 block: kept, or a segment with either policy; 2 blocks: 27 plans (worked out by hand:
+    # 3 x 3 for blocks apart, plus segment 0-1 x {no children, [0-0], [1-1], [0-0, 1-1]} x 2
+    # policies, with each child itself under 2 policies: (1 + 2 + 2 + 4) x 2 = 18)
+    assert len(list(all_plans(0, 0, (None, "save-matmuls")))) == 3
+    assert len(list(all_plans(0, 1, (None, "save-matmuls")))) == 27
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 4))
+def test_optimal_equals_brute_force_with_policies(seed: int, n: int) -> None:
+    profile = random_profile(seed, n, matmuls=True)
+    assert_optimal_matches_brute_force(profile, (None, "save-matmuls"))
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(5, 6))
+def test_optimal_equals_brute_force_without_matmuls(seed: int, n: int) -> None:
+    # Without matmul outputs a policy changes nothing, so plans without policies cover all.
+    assert_optimal_matches_brute_force(random_profile(seed, n, matmuls=False), (None,))
+
+
+def test_optimal_equals_brute_force_on_a_homogeneous_chain() -> None:
+    assert_optimal_matches_brute_force(homogeneous(6), (None,))
+
+
+def test_optimal_uses_nesting_when_it_pays() -> None:
+    # Find a chain and budget where the best plan nests; brute force above checks it is optimal.
+    for seed in range(50):
+        profile = random_profile(700 + seed, 6, matmuls=False)
+        for budget in budgets_for(profile)[1:]:
+            if any(s.children for s in solve_optimal(profile, budget)):
+                return
+    pytest.fail("no nested optimal plan in 50 random chains")
+
+
+def test_optimal_handles_inconsistent_profiles() -> None:
+    # saved_bytes below the input it claims to include: pruning by budget is unsafe there, and
+    # the result must still match brute force
+    profile = homogeneous(4, saved_bytes=5, input_bytes=10)
+    assert_optimal_matches_brute_force(profile, (None,))
+
+
+def test_optimal_refuses_chains_longer_than_it_solves_quickly() -> None:
+    """A clear error instead of minutes of search; a budget that fits needs no search at all."""
+    from gradckpt.solvers.optimal import MAX_BLOCKS
+
+    blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(MAX_BLOCKS + 1)]
+    long_chain = Profile(blocks, peak_bytes=10_000, fixed_bytes=1000, step_seconds=1.0)
+    with pytest.raises(UsageError, match="chen-greedy"):
+        solve(long_chain, 1500, "optimal")  # the chain alone peaks at 860 B: must checkpoint
+    assert solve(long_chain, 10_000, "optimal").segments == []
