@@ -6,6 +6,7 @@ for backward, whether to keep it, recompute it or offload it. See DESIGN.md for 
 
 from .apply import apply, disable
 from .blocks import find_blocks
+from .enable import enable
 from .engine import (
     checkpoint,
     checkpoint_module,
@@ -18,6 +19,7 @@ from .plan import Plan
 from .policies import Fate, offload_matmuls, save_matmuls
 from .profile import profile
 from .profile_types import BlockProfile, Profile
+from .solvers import solve
 
 __version__ = "0.1.0"
 
@@ -36,10 +38,12 @@ __all__ = [
     "checkpoint_module",
     "debug_mode",
     "disable",
+    "enable",
     "find_blocks",
     "is_checkpointed",
     "offload_matmuls",
     "profile",
     "save_matmuls",
+    "solve",
     "uncheckpoint_module",
 ]

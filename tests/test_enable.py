@@ -1,0 +1,124 @@
+"""End to end: ``gradckpt.enable`` picks a plan for a budget, and the step then measured fits it
+with gradients equal to the plain model's (DESIGN.md: "told before it runs, and right")."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gradckpt
+from gradckpt import BudgetError
+from gradckpt.measure import measure_peak_bytes
+from gradckpt.models import GPTConfig, TinyGPT
+
+CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=64, dropout=0.1)
+ALLOWANCE = 1.03  # allocator noise the planning issue allows on a measured peak
+
+
+def tiny_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(CONFIG)
+
+
+def gpt_sample() -> dict:
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CONFIG.vocab_size, (4, 64), generator=generator)
+    return {"idx": idx, "targets": idx}
+
+
+def step(model: nn.Module, sample: dict) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+    """Peak of one step (MemTracker), its loss and gradients, dropout seeded alike."""
+    model.zero_grad(set_to_none=True)
+    result = {}
+
+    def run() -> None:
+        torch.manual_seed(3)
+        result["loss"] = loss = model(**sample)
+        loss.backward()
+
+    peak = measure_peak_bytes(run, model, *sample.values())
+    return peak, result["loss"].detach(), [p.grad for p in model.parameters()]
+
+
+def smallest_feasible_budget(model: nn.Module, sample: dict) -> int:
+    with pytest.raises(BudgetError) as error:
+        gradckpt.solve(gradckpt.profile(model, sample, repeats=1), 1)
+    return error.value.minimum_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", [0.0, 0.3, 0.6, 0.9])
+def test_gpt_fits_the_budget_with_identical_gradients(position: float) -> None:
+    """Budgets from the smallest feasible one (position 0) towards the unconstrained peak."""
+    sample = gpt_sample()
+    plain_peak, plain_loss, plain_grads = step(tiny_gpt(), sample)
+    model = tiny_gpt()
+    minimum = smallest_feasible_budget(model, sample)
+    budget = int(minimum + position * (plain_peak - minimum))
+    plan = gradckpt.enable(model, sample, budget=budget)
+    assert plan.predicted_peak_bytes <= budget
+    peak, loss, grads = step(model, sample)
+    assert peak <= budget * ALLOWANCE, (peak, budget, str(plan.segments))
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    gradckpt.disable(model)
+
+
+def test_a_budget_that_fits_changes_nothing() -> None:
+    model = tiny_gpt()
+    plan = gradckpt.enable(model, gpt_sample(), budget="auto")  # CPU: most of free memory
+    assert plan.segments == [] and plan.predicted_overhead == 0.0
+    assert all(not b._forward_pre_hooks for b in model.transformer.h)
+
+
+def test_an_impossible_budget_names_the_smallest_feasible_one() -> None:
+    model, sample = tiny_gpt(), gpt_sample()
+    with pytest.raises(BudgetError) as error:
+        gradckpt.enable(model, sample, budget=1024)
+    minimum = error.value.minimum_bytes
+    assert minimum > 1024 and "raise the budget" in str(error.value)
+    plan = gradckpt.enable(model, sample, budget=minimum)  # exactly that much works
+    assert plan.predicted_peak_bytes <= minimum
+    gradckpt.disable(model)
+
+
+@pytest.mark.slow
+def test_llama_from_a_config_fits_the_budget_with_identical_gradients() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config).train()
+    model = copy.deepcopy(plain)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 256, (4, 64), generator=generator)
+    # Transformers passes a DynamicCache to its layers in training unless use_cache=False; its
+    # own gradient checkpointing turns the cache off for the same reason we must: recomputing a
+    # layer would append to it again (the Hugging Face integration will do this for the user).
+    sample = {"input_ids": input_ids, "labels": input_ids, "use_cache": False}
+
+    def llama_step(m: nn.Module) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+        m.zero_grad(set_to_none=True)
+        result = {}
+
+        def run() -> None:
+            torch.manual_seed(3)
+            result["loss"] = loss = m(**sample).loss
+            loss.backward()
+
+        peak = measure_peak_bytes(run, m, input_ids)
+        return peak, result["loss"].detach(), [p.grad for p in m.parameters()]
+
+    plain_peak, plain_loss, plain_grads = llama_step(plain)
+    budget = int(0.6 * plain_peak)
+    plan = gradckpt.enable(model, sample, budget=budget)
+    peak, loss, grads = llama_step(model)
+    assert peak <= budget * ALLOWANCE, (peak, budget, str(plan.segments))
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
