@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from hf_models import tiny_llama
 from torch import nn
 
 import gradckpt
@@ -87,14 +88,8 @@ def test_an_impossible_budget_names_the_smallest_feasible_one() -> None:
 
 @pytest.mark.slow
 def test_llama_from_a_config_fits_the_budget_with_identical_gradients() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attention_dropout=0.1,
-    )
-    torch.manual_seed(0)
-    plain = transformers.LlamaForCausalLM(config).train()
+    pytest.importorskip("transformers")
+    plain = tiny_llama(layers=6, vocab_size=256)
     model = copy.deepcopy(plain)
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, 256, (4, 64), generator=generator)

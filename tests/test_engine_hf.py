@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+import hf_models
 import pytest
 import torch
 from torch import nn
@@ -22,17 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def tiny_llama() -> tuple[nn.Module, Callable[[nn.Module], nn.ModuleList]]:
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-    )
-    return transformers.LlamaForCausalLM(config), lambda model: model.model.layers
+    return hf_models.tiny_llama(layers=3), lambda model: model.model.layers
 
 
 def tiny_gpt2() -> tuple[nn.Module, Callable[[nn.Module], nn.ModuleList]]:

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from hf_models import tiny_llama
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -197,14 +198,8 @@ def test_bad_segments_are_usage_errors(segments: list, message: str) -> None:
 
 def test_hugging_face_llama_layers_as_segments() -> None:
     """Decoder layers called with keyword arguments (position embeddings, masks) replay them."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attention_dropout=0.1,
-    )
-    torch.manual_seed(0)
-    plain = transformers.LlamaForCausalLM(config).train()
+    pytest.importorskip("transformers")
+    plain = tiny_llama(layers=4)
     model = copy.deepcopy(plain)
     checkpoint_segments(list(model.model.layers), [(0, 3), (0, 1), (2, 3)])
     input_ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
