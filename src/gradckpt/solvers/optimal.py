@@ -50,7 +50,7 @@ POLICIES = (None, "save-matmuls")
 
 # The longest chain solved: beyond it the exact search takes minutes (see Cost above), and a
 # clear error beats a hang. Raising it needs the discretized-memory DP.
-MAX_BLOCKS = 16
+MAX_BLOCKS = 10
 
 
 def _check_length(profile: Profile) -> None:
