@@ -93,3 +93,18 @@ def test_reading_something_else_is_a_usage_error(reader) -> None:
         reader('{"hello": 1}')
     with pytest.raises(UsageError, match="not a gradckpt"):
         reader("not json")
+
+
+def test_str_is_a_per_block_table_with_the_predictions() -> None:
+    plan = Plan(
+        "optimal", 4096, [Segment(0, 3, [Segment(0, 1), Segment(2, 2, policy="save-matmuls")])],
+        3000, 2.0, 0.4, ["a", "b", "c", "d", "e"],
+    )
+    lines = str(plan).splitlines()
+    assert lines[0].split() == ["block", "what", "happens", "to", "its", "activations"]
+    assert lines[1] == "a      recomputed: segment 0-3 (its input kept); segment 0-1 (nested, level 2)"
+    assert lines[3].endswith("segment 2-2 (nested, level 2), save-matmuls")
+    assert lines[5] == "e      kept"
+    assert lines[6] == (
+        "strategy optimal within 4.00 KiB: predicted peak 2.93 KiB, predicted extra time +40.0%"
+    )

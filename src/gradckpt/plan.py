@@ -83,6 +83,42 @@ class Plan:
         """The plan as a JSON string (``Plan.from_json`` reads it back)."""
         return json.dumps(dataclasses.asdict(self), indent=2)
 
+    def __str__(self) -> str:
+        """A table: one row per block, saying what happens to it, then the predictions.
+
+        Example:
+            >>> plan = Plan("sqrt", None, [Segment(0, 1)], 2048, 1.0, 0.25, ["h.0", "h.1", "h.2"])
+            >>> print(plan)  # doctest: +NORMALIZE_WHITESPACE
+            block  what happens to its activations
+            h.0    recomputed: segment 0-1 (its input kept)
+            h.1    recomputed: segment 0-1
+            h.2    kept
+            strategy sqrt: predicted peak 2.00 KiB, predicted extra time +25.0%
+        """
+        from .budget import format_bytes
+
+        fates = {index: "kept" for index in range(len(self.block_names))}
+        for segment, depth in _walk(self.segments, 0):
+            for index in segment.blocks():
+                where = f"segment {segment.start}-{segment.end}"
+                if depth:
+                    where += f" (nested, level {depth + 1})"
+                if segment.policy:
+                    where += f", {segment.policy}"
+                if index == segment.start and depth == 0:
+                    where += " (its input kept)"
+                fates[index] = (f"{fates[index]}; " if depth else "recomputed: ") + where
+        width = max([len("block"), *map(len, self.block_names)])
+        rows = [f"{'block':<{width}}  what happens to its activations"]
+        rows += [f"{name:<{width}}  {fates[i]}" for i, name in enumerate(self.block_names)]
+        budget = f" within {format_bytes(self.budget_bytes)}" if self.budget_bytes else ""
+        rows.append(
+            f"strategy {self.strategy}{budget}: predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)}, predicted extra time "
+            f"+{100 * self.predicted_overhead:.1f}%"
+        )
+        return "\n".join(rows)
+
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Read a plan written by ``to_json``."""
@@ -92,6 +128,12 @@ class Plan:
             return cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise UsageError(f"not a gradckpt plan (JSON from Plan.to_json()): {error}") from None
+
+
+def _walk(segments: list[Segment], depth: int):
+    for segment in segments:
+        yield segment, depth
+        yield from _walk(segment.children, depth + 1)
 
 
 def _segment_from_dict(data: dict[str, Any]) -> Segment:
