@@ -102,7 +102,9 @@ def test_str_is_a_per_block_table_with_the_predictions() -> None:
     )
     lines = str(plan).splitlines()
     assert lines[0].split() == ["block", "what", "happens", "to", "its", "activations"]
-    assert lines[1] == "a      recomputed: segment 0-3 (its input kept); segment 0-1 (nested, level 2)"
+    assert lines[1] == (
+        "a      recomputed: segment 0-3 (its input kept); segment 0-1 (nested, level 2)"
+    )
     assert lines[3].endswith("segment 2-2 (nested, level 2), save-matmuls")
     assert lines[5] == "e      kept"
     assert lines[6] == (
