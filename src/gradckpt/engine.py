@@ -596,6 +596,17 @@ class _OpRecord:
         return tree_map_only(torch.Tensor, copy, self.stored)
 
 
+def _first_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor in a (possibly nested) output: an op's primary output, a block's hidden
+    state."""
+    return next((leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)), None)
+
+
+def _detached_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached alias that requires grad exactly when the original does."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
+
+
 def _storage_key(tensor: torch.Tensor) -> int | None:
     try:
         return tensor.untyped_storage().data_ptr()
@@ -654,7 +665,7 @@ class _PolicyMode(TorchDispatchMode):
 
     def record(self, func: torch._ops.OpOverload, output: Any) -> None:
         region = self.region
-        first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
+        first = _first_tensor(output)
         fate = Fate.RECOMPUTE if first is None else region.policy(func, first)
         if not isinstance(fate, Fate):
             raise UsageError(

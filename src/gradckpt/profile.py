@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .blocks import resolve_blocks
+from .engine import _detached_like, _first_tensor, _storage_key
 from .errors import UsageError
 from .measure import infer_device, measure_peak_bytes
 from .plan import simulate
@@ -154,8 +155,7 @@ class _BlockCall:
     def __init__(self, args: tuple, kwargs: dict) -> None:
         leaves, self.spec = tree_flatten((args, kwargs))
         self.leaves = [
-            leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor)
-            else leaf
+            _detached_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
         ]
         tensors = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
@@ -243,7 +243,7 @@ def _measure_block(
 
     with torch.autograd.graph.saved_tensors_hooks(remember, lambda tensor: tensor):
         forward_peak, output = _transient_peak(lambda: block(*args, **kwargs), device)
-    chain_output = _first_tensor(output)
+    chain_output = _block_output(output)
     input_saved = _storage_key(hidden) in saved
     gradient = torch.ones_like(chain_output)
     backward_peak, _ = _transient_peak(lambda: chain_output.backward(gradient), device)
@@ -254,7 +254,7 @@ def _measure_block(
         return block(*a, **k)
 
     def forward_and_backward() -> None:
-        out = _first_tensor(forward_only())
+        out = _block_output(forward_only())
         out.backward(torch.ones_like(out))
 
     forward_seconds = _median_seconds(forward_only, repeats, device)
@@ -343,8 +343,8 @@ def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -
     return statistics.median(times)
 
 
-def _first_tensor(output: Any) -> torch.Tensor:
-    tensor = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
+def _block_output(output: Any) -> torch.Tensor:
+    tensor = _first_tensor(output)
     if tensor is None:
         raise UsageError("a block returned no tensor: it cannot be part of a chain")
     return tensor
@@ -358,8 +358,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
 
 
 def _describe(value: Any) -> str:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .engine import _debug_state, _PolicyMode, _Region, _unpack
+from .engine import _debug_state, _detached_like, _first_tensor, _PolicyMode, _Region, _unpack
 from .errors import UsageError
 from .policies import PolicyLike, resolve_policy
 
@@ -71,15 +71,6 @@ class _CallRecord:
         leaves = list(self.leaves)
         leaves[self.hole] = chain_input
         return tree_unflatten(leaves, self.spec)
-
-
-def _detached_like(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().requires_grad_(tensor.requires_grad)
-
-
-def _chain_output(output: Any) -> torch.Tensor | None:
-    """The hidden state a block hands to the next one: its (first) tensor output."""
-    return next((leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)), None)
 
 
 class _Run:
@@ -153,7 +144,7 @@ class SegmentsHandle:
             return
         for run in self.runs.values():
             if run.segment.start <= index <= run.segment.end:
-                run.last_output = _chain_output(output)
+                run.last_output = _first_tensor(output)
         for segment in self.closing[index]:
             run = self.runs.pop(segment, None)
             if run is not None:
@@ -215,7 +206,7 @@ class SegmentsHandle:
             for record, block in zip(
                 run.records, self.blocks[segment.start + 1 : segment.end + 1], strict=True
             ):
-                block_args, block_kwargs = record.call_with(_chain_output(output))
+                block_args, block_kwargs = record.call_with(_first_tensor(output))
                 output = block(*block_args, **block_kwargs)
             return output
         finally:
