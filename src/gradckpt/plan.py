@@ -172,6 +172,7 @@ def plan_for(
 def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
     """The chain's peak memory (bytes, above ``fixed_bytes``) and extra seconds under a plan."""
     blocks = profile.blocks
+    profile.validate()
     _check_segments(segments, 0, len(blocks) - 1)
     walk = _Walk(blocks)
     retained, forward_peak, added = walk.forward(_items(segments, 0, len(blocks) - 1), 0, False, 0)

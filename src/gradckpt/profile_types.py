@@ -73,6 +73,26 @@ class Profile:
     device: str = "cpu"
     notes: dict[str, Any] = field(default_factory=dict)
 
+    def validate(self) -> None:
+        """Raise ``UsageError`` naming the first block whose numbers cannot be right.
+
+        Sizes and times are not negative; a block whose graph saves its input saves at least
+        its input's bytes; matmuls take no more than the whole forward pass. (``profile``
+        always measures consistent numbers; this catches hand-made and edited profiles.)
+
+        Example:
+            >>> block = BlockProfile("h.0", 100, 100, 50, True, 1.0, 2.0)
+            >>> Profile([block], 0, 0, 1.0).validate()
+            Traceback (most recent call last):
+            ...
+            gradckpt.errors.UsageError: block h.0: saved_bytes (50) is below input_bytes (100) ...
+        """
+        for block in self.blocks:
+            problem = _inconsistency(block)
+            if problem:
+                raise UsageError(f"block {block.name}: {problem}; fix the profile or re-measure "
+                                 "it with gradckpt.profile")
+
     def to_json(self) -> str:
         """The profile as a JSON string (``Profile.from_json`` reads it back)."""
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -88,3 +108,18 @@ class Profile:
             raise UsageError(
                 f"not a gradckpt profile (JSON from Profile.to_json()): {error}"
             ) from None
+
+
+def _inconsistency(block: BlockProfile) -> str | None:
+    for name in ("input_bytes", "output_bytes", "saved_bytes", "forward_peak_bytes",
+                 "backward_peak_bytes", "matmul_bytes", "forward_seconds", "backward_seconds",
+                 "matmul_seconds"):
+        if getattr(block, name) < 0:
+            return f"{name} is negative ({getattr(block, name)})"
+    if block.input_saved and block.saved_bytes < block.input_bytes:
+        return (f"saved_bytes ({block.saved_bytes}) is below input_bytes ({block.input_bytes}) "
+                "though input_saved says the input is among them")
+    if block.matmul_seconds > block.forward_seconds * (1 + 1e-9):
+        return (f"matmul_seconds ({block.matmul_seconds}) exceeds forward_seconds "
+                f"({block.forward_seconds}), of which matmuls are a part")
+    return None

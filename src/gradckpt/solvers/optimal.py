@@ -1,29 +1,34 @@
 """Strategy "optimal": the least extra time that fits the budget, by dynamic programming.
 
-The search space is every plan ``gradckpt.plan.simulate`` can evaluate: any blocks kept, any
-runs of blocks checkpointed as segments, segments nested inside segments to any depth (each
-child a proper sub-range of its parent: a child spanning its whole parent only repeats the same
-recomputation), and each segment with or without ``policy="save-matmuls"``. The answer is the
-plan of least predicted extra time whose predicted peak (``fixed_bytes`` + ``simulate``'s chain
-peak) fits; the cost is exactly ``simulate``'s, which the tests check against brute force.
+The search space is every plan ``gradckpt.plan.simulate`` evaluates and ``gradckpt.apply`` can
+install: any blocks kept, any runs of blocks checkpointed as segments, segments nested inside
+segments to any depth (each child a proper sub-range of its parent: a child spanning its whole
+parent only repeats the same recomputation), and segments without children with or without
+``policy="save-matmuls"``. The answer is the plan of least predicted extra time whose predicted
+peak (``fixed_bytes`` + ``simulate``'s chain peak) fits the budget.
 
-How (the "rotor" DP of Beaumont et al., "Optimal checkpointing for heterogeneous chains", with
-exact byte counts instead of discretized memory): ``simulate`` walks a run of items (kept blocks
-and segments) forward then backward, and each item's own peak sits on top of what the items
-before it retain. So the peak of a run is ``max(first item's peak, first item's retained bytes
-+ peak of the rest)``, and its time is the sum. For every sub-chain ``i..e`` in every context it
-can appear in (top level, or inside a segment ending at ``e`` whose incoming gradient stays
-alive, right at the segment's retained input or after it, under a policy or not), the DP keeps
-the Pareto frontier of (peak bytes, matmul bytes a parent policy keeps, extra seconds) over all
-its plans: the first item is either block ``i`` kept, or a segment ``i..k`` (with a policy or
-not) whose recomputation is itself a sub-chain solved the same way, followed by the best plans
-for ``k+1..e``. Frontiers are exact, so the answer is exactly optimal; the chosen plan is checked
-once more with ``simulate`` before it is returned.
+How: the "rotor" dynamic program of Beaumont et al. ("Optimal checkpointing for heterogeneous
+chains", 2019). ``simulate`` walks a run of items (kept blocks and segments) forward, then
+backward; each item's own peak sits on top of what the items before it retain, so a run whose
+first item retains ``a`` bytes fits in ``m`` bytes when its first item's own peak does and the
+rest fits in ``m - a``. For every run ``s..e`` (at the top level, or inside a segment ending at
+``e`` whose incoming gradient stays alive, right at the segment's retained input or after it)
+and every memory level ``m``, the table holds the least extra time: block ``s`` kept, then the
+rest in ``m - saved``; or a segment ``s..j`` (its forward time, plus its recomputation solved as
+a run inside it, plus the rest) in ``m - input``; or a leaf segment under the policy.
 
-Cost: it grows steeply with the chain's length and with the budget's slack (the frontiers
-grow). Measured on 2 CPU cores: 20 alike blocks in under 0.5 s and 30 in 1.5-8 s when no block
-has matmul outputs (no policy to weigh); with matmul outputs, 12 blocks in about 1 s and 20 in
-5-20 s. Long chains (100 blocks) need a discretized-memory DP, which this is not yet.
+Memory is counted in units (``memory_unit_bytes``): 1 byte when the room left for the chain is
+at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so the tables stay
+near 40 MB: 490 for 100 blocks), else the room over that many levels. Every size is rounded *up*
+to whole units, so a plan the table says fits does fit (and ``simulate`` checks it once more).
+With 1-byte units the answer is the exact optimum, which the tests check against brute force;
+with larger ones it is at least as fast as the exact optimum for a room smaller by (2n + 1)
+units (a peak adds up at most 2n + 1 rounded sizes). Because rounding can hide plans that
+fit by a hair, two exactly-checked candidates join the table's answer: Chen's greedy plans
+(``chen-greedy``: every-layer, every k-th block on uniform chains, ...) and, near the lowest
+reachable peak, the plan of least peak from an exact DP in bytes. So ``optimal`` is never slower
+than ``chen-greedy``, and a budget of exactly ``minimum_peak_bytes`` always works. Measured on
+2 CPU cores: a 100-block chain solves in 0.25-0.5 s (``python bench/solvers.py``).
 
 Example:
     >>> from gradckpt.profile_types import BlockProfile, Profile
@@ -37,36 +42,55 @@ Example:
 
 from __future__ import annotations
 
-import bisect
+import math
+from dataclasses import dataclass
 
-from ..errors import UsageError
+import torch
+
 from ..plan import Segment, simulate
-from ..profile_types import Profile
+from ..profile_types import BlockProfile, Profile
+from .chen_greedy import solve_chen_greedy
 
-__all__ = ["solve_optimal", "minimum_peak_bytes", "POLICIES"]
+__all__ = ["solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "POLICY"]
 
-# The op-level presets the DP may put on a segment (None: recompute everything in it).
-POLICIES = (None, "save-matmuls")
+# The op-level preset the DP may put on a segment without children.
+POLICY = "save-matmuls"
 
-# The longest chain solved: beyond it the exact search takes minutes (see Cost above), and a
-# clear error beats a hang. Raising it needs the discretized-memory DP.
-MAX_BLOCKS = 10
+# Memory levels of the time tables: at most _MAX_LEVELS, and about _TABLE_CELLS cells per table
+# ((n + 1)^2 runs x levels) so long chains stay fast and small; never fewer than _MIN_LEVELS.
+_MAX_LEVELS = 2000
+_MIN_LEVELS = 100
+_TABLE_CELLS = 5_000_000
 
-
-def _check_length(profile: Profile) -> None:
-    if len(profile.blocks) > MAX_BLOCKS:
-        raise UsageError(
-            f"strategy 'optimal' solves chains of at most {MAX_BLOCKS} blocks in this version "
-            f"(its exact search grows steeply); this model has {len(profile.blocks)}. Use "
-            "strategy='chen-greedy' (budget-driven) or 'sqrt' instead."
-        )
+_INF = math.inf
+_DTYPE = torch.float64
 
 
-# A frontier entry: (peak_bytes, policy_kept_bytes, extra_seconds, items); frontiers are sorted
-# by peak. ``items`` is a linked list (item, rest) of the run's items, an item being a kept
-# block's index or a segment (start, end, policy, children items). Peaks are relative to what
-# was retained when the run started; ``policy_kept_bytes`` sums the matmul outputs of kept blocks
-# under a parent policy.
+def memory_unit_bytes(profile: Profile, room_bytes: int) -> int:
+    """The bytes one memory level of the DP stands for, given ``room_bytes`` for the chain.
+
+    1 when the room has few enough bytes to count one by one (small tests); else the room over
+    the number of levels, so that the tightest budgets, where every byte decides, get the
+    finest units.
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> blocks = [BlockProfile(f"h.{i}", 10**6, 10**6, 5 * 10**6, True, 1.0, 2.0)
+        ...           for i in range(100)]
+        >>> memory_unit_bytes(Profile(blocks, 0, 0, 1.0), 50 * 10**6)  # 490 levels of ~102 KB
+        102041
+    """
+    return max(1, -(-room_bytes // levels_for(len(profile.blocks))))
+
+
+def levels_for(blocks: int) -> int:
+    """How many memory levels the tables of a chain of ``blocks`` blocks have at most.
+
+    Example:
+        >>> levels_for(8), levels_for(100), levels_for(1000)
+        (2000, 490, 100)
+    """
+    return max(_MIN_LEVELS, min(_MAX_LEVELS, _TABLE_CELLS // (blocks + 1) ** 2))
 
 
 def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
@@ -81,23 +105,34 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
         >>> profile = Profile(blocks, peak_bytes=1310, fixed_bytes=1000, step_seconds=18.0)
         >>> plan = solve_optimal(profile, 1150)
         >>> simulate(profile, plan)  # chain peak within the 150 bytes left, 4 s recomputed
-        (130, 4.0)
+        (150, 4.0)
     """
     if budget_bytes is None or profile.fixed_bytes + simulate(profile, [])[0] <= budget_bytes:
         return []
-    _check_length(profile)
     room_bytes = budget_bytes - profile.fixed_bytes
-    frontier = _Solver(profile, room_bytes=room_bytes).top_frontier()
-    if not frontier:  # nothing fits: the plan of lowest peak, for solve's BudgetError
-        frontier = _Solver(profile, lowest_peak_only=True).top_frontier()
-    fitting = sorted(
-        (entry for entry in frontier if entry[0] <= room_bytes), key=lambda e: (e[2], e[0])
-    )
-    for entry in fitting:
-        segments = _to_segments(entry[3])
-        if simulate(profile, segments)[0] <= room_bytes:  # the cost model has the last word
-            return segments
-    return _to_segments(min(frontier, key=lambda e: (e[0], e[2]))[3])
+    candidates = []
+    tables = None
+    if room_bytes >= 0:
+        tables = _TimeTables(profile, memory_unit_bytes(profile, room_bytes), room_bytes)
+        candidates.append(tables.best_plan())
+        if tables.unit > 1:
+            # Rounding can hide a plan that fits by a few units: Chen's greedy candidates
+            # (every-layer, every k-th on a uniform chain, ...) cost little to check exactly.
+            candidates.append(solve_chen_greedy(profile, budget_bytes))
+    lowest = None
+    if tables is None or candidates[0] is None or tables.may_miss_lowest_peak_plan():
+        lowest = _LowestPeak(profile).plan()
+        candidates.append(lowest)
+    fitting = []
+    for segments in candidates:
+        if segments is not None:
+            peak, seconds = simulate(profile, segments)
+            if peak <= room_bytes:  # the cost model has the last word
+                fitting.append((seconds, peak, segments))
+    if not fitting:
+        # nothing fits: the plan of lowest peak, for solve()'s BudgetError
+        return lowest if lowest is not None else _LowestPeak(profile).plan()
+    return min(fitting, key=lambda entry: entry[:2])[2]
 
 
 def minimum_peak_bytes(profile: Profile) -> int:
@@ -109,176 +144,335 @@ def minimum_peak_bytes(profile: Profile) -> int:
         >>> minimum_peak_bytes(Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=1))
         1070
     """
-    if not profile.blocks:
-        return profile.fixed_bytes + simulate(profile, [])[0]
-    _check_length(profile)
-    frontier = _Solver(profile, lowest_peak_only=True).top_frontier()
-    return profile.fixed_bytes + min(entry[0] for entry in frontier)
+    return profile.fixed_bytes + simulate(profile, _LowestPeak(profile).plan())[0]
 
 
 # --------------------------------------------------------------------------------------------
-# The dynamic program
+# What every table needs to know about the chain
 # --------------------------------------------------------------------------------------------
 
 
-class _Solver:
-    """Frontiers of every sub-chain in every context, memoized for one profile.
+@dataclass
+class _SegmentCosts:
+    """For segments s..j, j = s, s+1, ...: the numbers the DP needs, one list entry per j."""
 
-    ``room_bytes``: drop plans whose chain peak exceeds it. That is safe when no item ever
-    releases more than it retained (a profile whose ``saved_bytes`` cover the input and matmul
-    outputs they include), since then a part's peak never exceeds the whole's; otherwise it is
-    ignored. ``lowest_peak_only``: ignore time, for the lowest reachable peak.
+    transient: list[int]  # most bytes above its kept input while its forward runs
+    forward_seconds: list[float]  # its recomputation, no policy
+    matmul_bytes: list[int]  # what the policy keeps from the first forward
+    policy_seconds: list[float]  # its recomputation under the policy
+    policy_peak: list[int]  # its recomputation's peak under the policy, above what it keeps
+
+
+class _Chain:
+    """The chain's per-block numbers and per-segment costs, shared by both DPs.
+
+    Runs are indexed by (first block, column): columns 0..n-1 are runs inside a segment ending
+    at that block (its incoming gradient alive throughout), column n the top-level run to the
+    last block (nothing alive).
     """
 
-    def __init__(
-        self, profile: Profile, room_bytes: int | None = None, lowest_peak_only: bool = False
-    ) -> None:
-        self.blocks = profile.blocks
-        retains_nonnegative = all(
-            b.saved_bytes >= (b.input_bytes if b.input_saved else 0) + b.matmul_bytes
-            and b.input_bytes >= 0 and b.matmul_bytes >= 0
-            for b in self.blocks
-        )
-        self.room_bytes = room_bytes if retains_nonnegative else None
-        self.lowest_peak_only = lowest_peak_only
-        self.policies = (
-            POLICIES
-            if any(b.matmul_bytes or b.matmul_seconds for b in self.blocks)
-            else (None,)  # without matmuls a policy changes nothing
-        )
-        self.runs: dict[tuple, list[tuple]] = {}
+    def __init__(self, profile: Profile) -> None:
+        self.blocks: list[BlockProfile] = profile.blocks
+        self.n = len(self.blocks)
+        self.policies = any(b.matmul_bytes or b.matmul_seconds for b in self.blocks)
+        self.alive = [b.output_bytes for b in self.blocks] + [0]
+        self._segments: dict[int, _SegmentCosts] = {}
 
-    def top_frontier(self) -> list[tuple]:
-        last = len(self.blocks) - 1
-        # Fill the memo from short, late sub-chains to long, early ones, so that each lookup
-        # finds what it needs and the recursion stays shallow.
-        for end in range(len(self.blocks)):
-            alive = self.blocks[end].output_bytes
-            for start in range(end, -1, -1):
-                for under_policy in (False, True):
-                    self.run(start, end, False, under_policy, alive)
-                    self.run(start, end, True, under_policy, alive)
-        for start in range(last, -1, -1):
-            self.run(start, last, False, False, 0)
-        return self.run(0, last, False, False, 0)
+    def end(self, column: int) -> int:
+        return min(column, self.n - 1)
 
-    def run(
-        self, start: int, end: int, input_retained: bool, under_policy: bool, alive: int
-    ) -> list[tuple]:
-        """Frontier of blocks start..end as a run of items. ``input_retained``: the run opens a
-        segment's recomputation (its input is retained already, and the run may not be one
-        segment over all of it); ``under_policy``: that segment has a policy; ``alive``: the
-        segment's incoming gradient (0 at the top level)."""
-        key = (start, end, input_retained, under_policy, alive)
-        if key in self.runs:
-            return self.runs[key]
-        room = self.room_bytes
-        candidates = []
-        for local_peak, added, kept_bytes, seconds, item, next_start in self._first_items(
-            start, end, input_retained, under_policy, alive
-        ):
-            if room is not None and local_peak > room:
-                continue
-            if next_start > end:
-                candidates.append((local_peak, kept_bytes, seconds, (item, None)))
-                continue
-            # The rest's frontier is sorted by peak. Outside a policy its kept bytes are all 0
-            # and its seconds fall as its peak rises, so of the rest plans that stay under this
-            # item's own peak only the last (fastest) one can matter.
-            below = None
-            for rest_entry in self.run(next_start, end, False, under_policy, alive):
-                rest_peak, rest_kept, rest_seconds, rest_items = rest_entry
-                peak = added + rest_peak
-                if room is not None and peak > room:
-                    break
-                if peak <= local_peak and not under_policy:
-                    below = rest_entry
-                    continue
-                candidates.append((
-                    max(peak, local_peak), kept_bytes + rest_kept, seconds + rest_seconds,
-                    (item, rest_items),
-                ))
-            if below is not None:
-                candidates.append((local_peak, kept_bytes, seconds + below[2], (item, below[3])))
-        frontier = _pareto(candidates, self.lowest_peak_only)
-        self.runs[key] = frontier
-        return frontier
+    def kept(self, s: int, input_retained: bool) -> tuple[int, int]:
+        """Block s kept: the bytes it retains, and its backward's peak above what was before."""
+        block = self.blocks[s]
+        added = block.saved_bytes - (block.input_bytes if input_retained and block.input_saved
+                                     else 0)
+        return added, added + block.output_bytes + block.backward_peak_bytes
 
-    def _first_items(self, start, end, input_retained, under_policy, alive):
-        """Each way the run's first item can go: (its own peak, bytes it retains, matmul bytes
-        its parent's policy keeps, its extra seconds, the item, where the rest starts)."""
-        block = self.blocks[start]
-        # Block `start` kept.
+    def kept_forward_peak(self, s: int, input_retained: bool, column: int) -> int:
+        block = self.blocks[s]
         hidden = 0 if input_retained else block.input_bytes
-        added = block.saved_bytes
-        if input_retained and block.input_saved:
-            added -= block.input_bytes
-        kept_bytes, seconds = 0, 0.0
-        if under_policy:
-            added -= block.matmul_bytes
-            kept_bytes, seconds = block.matmul_bytes, -block.matmul_seconds
-        forward_peak = alive + hidden + block.forward_peak_bytes
-        backward_peak = added + block.output_bytes + block.backward_peak_bytes
-        yield max(forward_peak, backward_peak), added, kept_bytes, seconds, start, start + 1
+        return self.alive[column] + hidden + block.forward_peak_bytes
 
-        # Segment start..seg_end, with or without a policy.
-        input_added = 0 if input_retained else block.input_bytes
-        transient = block.forward_peak_bytes
-        forward_seconds = 0.0
-        for seg_end in range(start, end + 1):
-            inner_block = self.blocks[seg_end]
-            if seg_end > start:
-                transient = max(
-                    transient, inner_block.input_bytes + inner_block.forward_peak_bytes
-                )
-            forward_seconds += inner_block.forward_seconds
-            if input_retained and seg_end == end:
-                break  # a child over its whole parent only repeats the recomputation
-            gradient = inner_block.output_bytes
-            for policy in self.policies:
-                inner = self.run(start, seg_end, True, policy is not None, gradient)
-                for inner_peak, inner_kept, inner_seconds, inner_items in inner:
-                    if self.room_bytes is not None and input_added + inner_peak > self.room_bytes:
-                        break  # sorted by peak: the rest peak higher still
-                    seg_added = input_added + inner_kept
-                    peak = max(alive + seg_added + transient, seg_added + inner_peak)
-                    yield (
-                        peak, seg_added, 0, forward_seconds + inner_seconds,
-                        (start, seg_end, policy, inner_items), seg_end + 1,
-                    )
+    def segments(self, s: int) -> _SegmentCosts:
+        """Costs of the segments starting at s (computed once, in O(n))."""
+        if s in self._segments:
+            return self._segments[s]
+        costs = _SegmentCosts([], [], [], [], [])
+        transient, seconds, matmul_bytes, policy_seconds = 0, 0.0, 0, 0.0
+        retained = 0  # above the segment's kept input and matmul outputs, while recomputed
+        forward_high = backward_high = -_INF
+        for j in range(s, self.n):
+            block = self.blocks[j]
+            hidden = 0 if j == s else block.input_bytes
+            transient = max(transient, hidden + block.forward_peak_bytes)
+            seconds += block.forward_seconds
+            matmul_bytes += block.matmul_bytes
+            policy_seconds += block.forward_seconds - block.matmul_seconds
+            # Recomputed under the policy, every block is kept, minus its already kept matmuls.
+            forward_high = max(forward_high, retained + hidden + block.forward_peak_bytes)
+            added, _ = self.kept(j, input_retained=j == s)
+            retained += added - block.matmul_bytes
+            backward_high = max(backward_high, retained + block.output_bytes
+                                + block.backward_peak_bytes)
+            costs.transient.append(transient)
+            costs.forward_seconds.append(seconds)
+            costs.matmul_bytes.append(matmul_bytes)
+            costs.policy_seconds.append(policy_seconds)
+            costs.policy_peak.append(int(max(block.output_bytes + forward_high, backward_high)))
+        self._segments[s] = costs
+        return costs
 
 
-def _pareto(candidates: list[tuple], ignore_seconds: bool = False) -> list[tuple]:
-    """The entries no other entry beats on peak, policy-kept bytes and seconds at once.
+# --------------------------------------------------------------------------------------------
+# The time DP over memory levels
+# --------------------------------------------------------------------------------------------
 
-    Sorted by peak, an entry survives when no earlier survivor has both fewer (or equal)
-    policy-kept bytes and fewer (or equal) seconds; the survivors' (kept bytes, seconds) form a
-    staircase, so that test is one binary search.
+
+class _TimeTables:
+    """Least extra seconds of every run at every memory level 0..room (in units).
+
+    ``after[s, c, m]``: the run from block s to column c's end, its first block's input not yet
+    retained (a top-level run, or the rest of a segment's recomputation); ``at_input[s, e, m]``:
+    the run s..e opening the recomputation of a segment s..e, whose input is retained already
+    (so the run is not one segment over all of s..e).
     """
-    candidates.sort(key=lambda entry: (entry[0], entry[1], entry[2]))
-    frontier: list[tuple] = []
-    stair_kept: list[int] = []  # ascending
-    stair_seconds: list[float] = []  # strictly descending
-    for entry in candidates:
-        kept, seconds = entry[1], 0.0 if ignore_seconds else entry[2]
-        position = bisect.bisect_right(stair_kept, kept)
-        if position and stair_seconds[position - 1] <= seconds:
-            continue  # an entry with no more peak, kept bytes or seconds exists
-        frontier.append(entry)
-        # entries from `position` on have more kept bytes; drop those this one now beats
-        end = position
-        while end < len(stair_kept) and stair_seconds[end] >= seconds:
-            end += 1
-        stair_kept[position:end] = [kept]
-        stair_seconds[position:end] = [seconds]
-    return frontier
+
+    def __init__(self, profile: Profile, unit_bytes: int, room_bytes: int) -> None:
+        self.chain = _Chain(profile)
+        self.unit = unit_bytes
+        self.levels = room_bytes // unit_bytes + 1
+        n, levels = self.chain.n, self.levels
+        # Row r of _cuts: infinity at levels below (levels - r), zero from there on: added to
+        # a table row, it cuts the levels a peak does not fit (one strided view, no copies).
+        steps = torch.cat([torch.full((levels,), _INF, dtype=_DTYPE), torch.zeros(levels,
+                                                                                  dtype=_DTYPE)])
+        self._cuts = steps.as_strided((levels + 1, levels), (1, 1))
+        self.alive = torch.tensor(self.chain.alive, dtype=torch.int64)
+        self.after = torch.full((n + 1, n + 1, levels), _INF, dtype=_DTYPE)
+        self.at_input = torch.full((n, n, levels), _INF, dtype=_DTYPE)
+        for s in range(1, n + 1):
+            self.after[s, s - 1] = 0.0  # the empty run after a segment's last block
+        self.after[n, n] = 0.0  # the empty top-level run
+        self._after_rows = self.after.unbind(0)  # views, indexed once rather than per use
+        for s in range(n - 1, -1, -1):
+            self._fill(s)
+
+    def units(self, nbytes: int) -> int:
+        return -(-int(nbytes) // self.unit)  # rounded up: a plan that fits here fits in bytes
+
+    def _units_tensor(self, nbytes: torch.Tensor) -> torch.Tensor:
+        return -torch.div(-nbytes, self.unit, rounding_mode="floor")
+
+    def _shift(self, table: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """table[..., m - units(nbytes)]: the run's time when nbytes more are retained."""
+        amount = self.units(nbytes)
+        shifted = torch.full_like(table, _INF)
+        if amount < self.levels:
+            shifted[..., amount:] = table[..., : self.levels - amount]
+        return shifted
+
+    def _fit(self, table: torch.Tensor, peak_units: torch.Tensor) -> torch.Tensor:
+        """table with infinity at the levels below each row's peak (in units)."""
+        return table.add_(self._cuts.index_select(0, self._cut_rows(peak_units)))
+
+    def _cut_rows(self, peak_units: torch.Tensor) -> torch.Tensor:
+        return self.levels - peak_units.clamp(0, self.levels)
+
+    def _fit_empty_rests(self, options: torch.Tensor, j: int, transient: int) -> None:
+        """Rows whose rest is empty (column j; column n too when j is the last block): the
+        segment's own forward peak, alive gradient included, is their only limit."""
+        n = self.chain.n
+        for row, column in enumerate([j, n] if j == n - 1 else [j]):
+            options[row, : self.units(self.chain.alive[column] + transient)] = _INF
+
+    def _fill(self, s: int) -> None:
+        chain, n, levels = self.chain, self.chain.n, self.levels
+        alive = self.alive[s:]  # columns s..n
+        added, backward = chain.kept(s, input_retained=False)
+        forward = chain.kept_forward_peak(s, False, n) - chain.alive[n]  # what adds to alive
+        keep_after = self._fit(
+            self._shift(self.after[s + 1, s:], added),
+            self._units_tensor(torch.clamp(alive + forward, min=backward)),
+        )
+        added, backward = chain.kept(s, input_retained=True)
+        forward = chain.kept_forward_peak(s, True, n) - chain.alive[n]
+        at_input = self._fit(
+            self._shift(self.after[s + 1, s:n], added),
+            self._units_tensor(torch.clamp(alive[:-1] + forward, min=backward)),
+        )
+        # Segments s..j, on levels above the segment's retained input (shifted in at the end).
+        segments_after = torch.full((n + 1 - s, levels), _INF, dtype=_DTYPE)
+        costs = chain.segments(s)
+        # Row k: segment s..(s + k); column c - s: the run ends at column c (c >= s + k).
+        plain_cuts = self._cut_rows(self._units_tensor(
+            torch.tensor(costs.transient)[:, None] + self.alive[None, s:]
+        ))
+        if chain.policies:
+            # The recomputation's own peak under the policy does not depend on the column.
+            policy_seconds = self._fit(
+                torch.tensor(costs.policy_seconds, dtype=_DTYPE)[:, None].repeat(1, levels),
+                self._units_tensor(torch.tensor(costs.policy_peak)),
+            )
+            policy_shifts = [self.units(nbytes) for nbytes in costs.matmul_bytes]
+        at_input_rows = at_input.unbind(0)
+        for j in range(s, n):
+            k = j - s
+            rest = self._after_rows[j + 1][j:]  # columns j..n; column j is the empty rest
+            # The segment's first forward peaks at alive + transient. No need to cut there
+            # where something already does: the recomputation's run (at_input) peaks at least
+            # there with its own gradient alive, a non-empty rest above its first block's own.
+            rest_floor = (
+                chain.blocks[j + 1].input_bytes + chain.blocks[j + 1].forward_peak_bytes
+                if j + 1 < n else _INF
+            )
+            needs_cut = costs.transient[k] > rest_floor
+            # at_input[k] is final: every segment s..j' with j' < j has been added to it.
+            options = rest + (at_input_rows[k] + costs.forward_seconds[k])
+            if needs_cut:
+                options[1:].add_(self._cuts.index_select(0, plain_cuts[k, k + 1:]))
+            if chain.policies and policy_shifts[k] < levels:
+                under_policy = rest + policy_seconds[k]
+                self._fit_empty_rests(under_policy, j, costs.transient[k])
+                if needs_cut:
+                    under_policy[1:].add_(self._cuts.index_select(0, plain_cuts[k, k + 1:]))
+                shift = policy_shifts[k]
+                torch.minimum(options[:, shift:], under_policy[:, : levels - shift],
+                              out=options[:, shift:])
+            torch.minimum(segments_after[k:], options, out=segments_after[k:])
+            # Inside a segment s..e, a child s..j must be shorter: only e > j.
+            torch.minimum(at_input[k + 1:], options[1 : n - j], out=at_input[k + 1:])
+        self.at_input[s, s:] = at_input
+        self.after[s, s:] = torch.minimum(
+            keep_after, self._shift(segments_after, chain.blocks[s].input_bytes)
+        )
+
+    def may_miss_lowest_peak_plan(self) -> bool:
+        """Whether rounding may hide a plan of the lowest peak that fits and is faster.
+
+        The plan of least peak P peaks at no more than the table's lowest finite level (in
+        units); rounded up, each of the at most 2n + 1 sizes adding up to any of its peaks
+        gains under one unit. So from 2n + 1 levels above that level on, the table holds it.
+        """
+        if self.unit == 1:
+            return False  # nothing rounded: the table is exact
+        finite = torch.isfinite(self.after[0, self.chain.n]).nonzero()
+        if len(finite) == 0:
+            return True
+        return self.levels - 1 < finite[0].item() + 2 * self.chain.n + 1
+
+    def best_plan(self) -> list[Segment] | None:
+        """The fastest top-level plan at the highest level, or None when nothing fits."""
+        if self.chain.n == 0 or math.isinf(self.after[0, self.chain.n, -1].item()):
+            return None
+        return self._run(0, self.chain.n, self.levels - 1, input_retained=False)
+
+    def _run(self, s: int, column: int, level: int, input_retained: bool) -> list[Segment]:
+        """Rebuild the plan a table entry stands for, choosing the best option again."""
+        chain = self.chain
+        end = chain.end(column)
+        if s > end:
+            return []
+        options: list[tuple[float, int, Segment | None, int]] = []  # time, order, item, level
+
+        def lookup(table: torch.Tensor, first: int, col: int, at: int) -> float:
+            return table[first, col, at].item() if 0 <= at < self.levels else _INF
+
+        added, backward = chain.kept(s, input_retained)
+        if level >= self.units(max(chain.kept_forward_peak(s, input_retained, column), backward)):
+            options.append((lookup(self.after, s + 1, column, level - self.units(added)), 0,
+                            None, level - self.units(added)))
+        costs = chain.segments(s)
+        inner = level - (0 if input_retained else self.units(chain.blocks[s].input_bytes))
+        last = end - 1 if input_retained else end
+        for j in range(s, last + 1):
+            k = j - s
+            if inner >= self.units(chain.alive[column] + costs.transient[k]):
+                seconds = (costs.forward_seconds[k] + lookup(self.at_input, s, j, inner)
+                           + lookup(self.after, j + 1, column, inner))
+                options.append((seconds, 1, Segment(s, j), inner))
+            policy_level = inner - self.units(costs.matmul_bytes[k])
+            if chain.policies and policy_level >= self.units(
+                max(chain.alive[column] + costs.transient[k], costs.policy_peak[k])
+            ):
+                seconds = costs.policy_seconds[k] + lookup(self.after, j + 1, column, policy_level)
+                options.append((seconds, 2, Segment(s, j, policy=POLICY), policy_level))
+        seconds, _, item, rest_level = min(options, key=lambda option: option[:2])
+        assert not math.isinf(seconds), "the table said this run fits"
+        if item is None:
+            return self._run(s + 1, column, rest_level, input_retained=False)
+        if item.policy is None:
+            item.children = self._run(s, item.end, rest_level, input_retained=True)
+        return [item, *self._run(item.end + 1, column, rest_level, input_retained=False)]
 
 
-def _to_segments(items) -> list[Segment]:
-    segments = []
-    while items is not None:
-        item, items = items
-        if isinstance(item, tuple):
-            start, end, policy, children = item
-            segments.append(Segment(start, end, _to_segments(children), policy))
-    return segments
+# --------------------------------------------------------------------------------------------
+# The lowest peak, exactly in bytes
+# --------------------------------------------------------------------------------------------
+
+
+class _LowestPeak:
+    """The same recurrences minimizing the peak instead of time, in exact bytes."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.chain = chain = _Chain(profile)
+        n = chain.n
+        # after[s][c], at_input[s][e]: (peak, plan builder); the empty runs peak at 0.
+        self.after: list[list[tuple[int, object]]] = [[(0, None)] * (n + 1) for _ in range(n + 1)]
+        self.at_input: list[list[tuple[int, object]]] = [[(0, None)] * n for _ in range(n)]
+        for s in range(n - 1, -1, -1):
+            self._fill(s)
+
+    def _fill(self, s: int) -> None:
+        chain, n, alive = self.chain, self.chain.n, self.chain.alive
+        after, at_input = self.after, self.at_input
+        costs = chain.segments(s)
+        input_bytes = chain.blocks[s].input_bytes
+        best_after = []
+        for c in range(s, n + 1):
+            added, backward = chain.kept(s, False)
+            peak = max(chain.kept_forward_peak(s, False, c), backward, added + after[s + 1][c][0])
+            best_after.append((peak, ("keep",)))
+        best_inside = []
+        for e in range(s, n):
+            added, backward = chain.kept(s, True)
+            peak = max(chain.kept_forward_peak(s, True, e), backward, added + after[s + 1][e][0])
+            best_inside.append((peak, ("keep",)))
+        for j in range(s, n):
+            k = j - s
+            inner_peak = best_inside[k][0]  # final: children s..j' with j' < j are in
+            at_input[s][j] = best_inside[k]
+            for c in range(j, n + 1):
+                rest_peak = after[j + 1][c][0]
+                plain = max(alive[c] + costs.transient[k], inner_peak, rest_peak)
+                option = (plain, ("segment", j))
+                if chain.policies:
+                    policy = costs.matmul_bytes[k] + max(
+                        alive[c] + costs.transient[k], costs.policy_peak[k], rest_peak
+                    )
+                    if policy < plain:
+                        option = (policy, ("policy", j))
+                if input_bytes + option[0] < best_after[c - s][0]:
+                    best_after[c - s] = (input_bytes + option[0], option[1])
+                if j < c < n and option[0] < best_inside[c - s][0]:
+                    best_inside[c - s] = option
+        for c in range(s, n + 1):
+            after[s][c] = best_after[c - s]
+
+    def plan(self) -> list[Segment]:
+        if self.chain.n == 0:
+            return []
+        return self._run(0, self.chain.n, input_retained=False)
+
+    def _run(self, s: int, column: int, input_retained: bool) -> list[Segment]:
+        if s > self.chain.end(column):
+            return []
+        table = self.at_input if input_retained else self.after
+        choice = table[s][column][1]
+        if choice[0] == "keep":
+            return self._run(s + 1, column, input_retained=False)
+        j = choice[1]
+        if choice[0] == "policy":
+            item = Segment(s, j, policy=POLICY)
+        else:
+            item = Segment(s, j, self._run(s, j, input_retained=True))
+        return [item, *self._run(j + 1, column, input_retained=False)]
