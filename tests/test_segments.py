@@ -9,6 +9,8 @@ without grad, and clear errors for segments that cannot work.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -108,6 +110,28 @@ def test_a_segment_keeps_only_its_first_blocks_input() -> None:
     halves = tiny_gpt()
     checkpoint_segments(list(halves.transformer.h), LAYOUTS["two-halves"])
     assert retained_after_forward(per_block) - retained_after_forward(halves) == 4 * hidden_bytes
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_finished_segment_frees_its_input_without_the_garbage_collector(
+    layout: list[tuple[int, int]],
+) -> None:
+    """A segment's kept input is freed as soon as its backward is done, by reference counting:
+    a reference cycle between the region and its run kept one hidden state per segment alive
+    until the garbage collector ran (the whole rest of the backward pass, in practice)."""
+    model = tiny_gpt()
+    checkpoint_segments(list(model.transformer.h), layout)
+    inputs = []
+    for block in model.transformer.h:
+        block.register_forward_pre_hook(lambda _, args: inputs.append(weakref.ref(args[0])))
+    gc.disable()
+    try:
+        idx = tokens()
+        model(idx, targets=idx).backward()
+        alive = [i for i, ref in enumerate(inputs) if ref() is not None]
+    finally:
+        gc.enable()
+    assert alive == []
 
 
 def test_without_grad_nothing_is_installed() -> None:

@@ -74,11 +74,15 @@ class _CallRecord:
 
 
 class _Run:
-    """One forward pass through one segment: its region and how its blocks were called."""
+    """One forward pass through one segment: how its blocks were called.
 
-    def __init__(self, segment: _Segment, region: _Region, contexts: contextlib.ExitStack) -> None:
+    The region replays the run (``region.fn``), so the run must not hold the region: the
+    cycle would keep the region's saved inputs alive until the garbage collector runs, a
+    hidden state per segment through the rest of backward.
+    """
+
+    def __init__(self, segment: _Segment, contexts: contextlib.ExitStack) -> None:
         self.segment = segment
-        self.region = region
         self.contexts = contexts
         self.records: list[_CallRecord] = []
         self.last_output: torch.Tensor | None = None
@@ -175,7 +179,7 @@ class SegmentsHandle:
         contexts.enter_context(
             torch.autograd.graph.saved_tensors_hooks(region.pack_during_forward, _unpack)
         )
-        run = _Run(segment, region, contexts)
+        run = _Run(segment, contexts)
         region.fn = functools.partial(self.replay, segment, run)
         self.runs[segment] = run
 
