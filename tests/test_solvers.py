@@ -57,13 +57,17 @@ def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
         matmul_bytes=matmul_bytes,
         # matmuls are part of the forward pass: never more than all of it
         matmul_seconds=forward_seconds * rng.randint(0, 4) / 4 if matmuls else 0.0,
+        gradient_bytes=rng.randint(0, 15),
     )
 
 
 def random_profile(seed: int, n: int, matmuls: bool = True) -> Profile:
     rng = random.Random(seed)
     blocks = [random_block(rng, i, matmuls) for i in range(n)]
-    return with_peak(Profile(blocks, 0, FIXED_BYTES, sum(b.forward_seconds for b in blocks) * 3))
+    profile = Profile(blocks, 0, FIXED_BYTES, sum(b.forward_seconds for b in blocks) * 3,
+                      head_bytes=rng.randint(0, 60), head_gradient_bytes=rng.randint(0, 20),
+                      other_peak_bytes=rng.randint(0, 40))
+    return with_peak(profile)
 
 
 def all_plans(start: int, end: int, policies: tuple, whole: tuple | None = None):

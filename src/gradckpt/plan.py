@@ -14,12 +14,16 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
 - forward, block kept: it adds s_i to what is retained (its input included if its graph keeps
   that); while it runs, memory peaks at retained + its input + ``forward_peak_bytes``;
 - forward, segment s..e: it retains x_s only; its blocks run with nothing else retained;
-- backward, block kept: peak at retained + gradient x_(i+1) + ``backward_peak_bytes``; then
-  its s_i is released;
+- the head (output layer, loss, their backward): peak at what the chain retains + ``head_bytes``;
+- backward, block kept: peak at retained + gradient x_(i+1) + ``backward_peak_bytes`` + the
+  parameter gradients made before it (``head_gradient_bytes`` and every later block's
+  ``gradient_bytes``: gradients start the step as None, as after ``zero_grad()``); then its s_i
+  is released;
 - backward, segment: its blocks run forward again (the children plan applies, with the incoming
-  gradient x_(e+1) alive), costing their forward time, then their backward as above; then x_s is
-  released. A segment with a policy keeps its blocks' matmul outputs from the first forward and
-  recomputes only the rest of their forward time.
+  gradient x_(e+1) and the parameter gradients made so far alive), costing their forward time,
+  then their backward as above; then x_s is released. A segment with a policy keeps its blocks'
+  matmul outputs from the first forward and recomputes only the rest of their forward time;
+- and, whatever the plan, ``other_peak_bytes`` (the step outside the chain).
 
 Example:
     >>> from gradckpt.profile_types import BlockProfile, Profile
@@ -39,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UsageError
-from .profile_types import BlockProfile, Profile
+from .profile_types import Profile
 
-__all__ = ["Segment", "Plan", "simulate"]
+__all__ = ["Segment", "Plan", "simulate", "gradients_after"]
 
 
 @dataclass
@@ -170,14 +174,36 @@ def plan_for(
 
 
 def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
-    """The chain's peak memory (bytes, above ``fixed_bytes``) and extra seconds under a plan."""
+    """The step's peak memory (bytes, above ``fixed_bytes``) and extra seconds under a plan."""
     blocks = profile.blocks
     profile.validate()
     _check_segments(segments, 0, len(blocks) - 1)
-    walk = _Walk(blocks)
-    retained, forward_peak, added = walk.forward(_items(segments, 0, len(blocks) - 1), 0, False, 0)
-    backward_peak, _ = walk.backward(_items(segments, 0, len(blocks) - 1), added, retained)
-    return max(forward_peak, backward_peak), walk.extra_seconds
+    walk = _Walk(profile)
+    items = _items(segments, 0, len(blocks) - 1)
+    retained, forward_peak, added = walk.forward(items, 0, False, 0)
+    head_peak = retained + profile.head_bytes
+    backward_peak, _ = walk.backward(items, added, retained)
+    peak = max(forward_peak, head_peak, backward_peak, profile.other_peak_bytes)
+    return peak, walk.extra_seconds
+
+
+def gradients_after(profile: Profile) -> list[int]:
+    """Per block i, the parameter gradients allocated when its backward starts: the head's and
+    those of every later block (gradients start the step as None).
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0, gradient_bytes=10)
+        ...           for i in range(3)]
+        >>> gradients_after(Profile(blocks, 0, 0, 1.0, head_gradient_bytes=5))
+        [25, 15, 5]
+    """
+    after = [0] * len(profile.blocks)
+    total = profile.head_gradient_bytes
+    for index in range(len(profile.blocks) - 1, -1, -1):
+        after[index] = total
+        total += profile.blocks[index].gradient_bytes
+    return after
 
 
 def _items(segments: list[Segment], start: int, end: int) -> list[int | Segment]:
@@ -210,8 +236,9 @@ def _check_segments(segments: list[Segment], start: int, end: int) -> None:
 class _Walk:
     """Walks a step through the chain, tracking retained bytes; accumulates recompute time."""
 
-    def __init__(self, blocks: list[BlockProfile]) -> None:
-        self.blocks = blocks
+    def __init__(self, profile: Profile) -> None:
+        self.blocks = profile.blocks
+        self.gradients_after = gradients_after(profile)
         self.extra_seconds = 0.0
 
     def forward(
@@ -264,13 +291,15 @@ class _Walk:
                     for j in item.blocks()
                 )
                 inner_retained, inner_forward_peak, inner_added = self.forward(
-                    inner_items, retained, True, gradient, policy_blocks
+                    inner_items, retained, True, gradient + self.gradients_after[item.end],
+                    policy_blocks,
                 )
                 inner_backward_peak, _ = self.backward(inner_items, inner_added, inner_retained)
                 peak = max(peak, inner_forward_peak, inner_backward_peak)
             else:
                 block = self.blocks[item]
-                peak = max(peak, retained + block.output_bytes + block.backward_peak_bytes)
+                peak = max(peak, retained + block.output_bytes + block.backward_peak_bytes
+                           + self.gradients_after[item])
             retained -= added
         return peak, retained
 

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .blocks import resolve_blocks
 from .engine import _detached_like, _first_tensor, _storage_key
 from .errors import UsageError
-from .measure import infer_device, measure_peak_bytes
+from .measure import infer_device
 from .plan import simulate
 from .policies import is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
@@ -132,16 +132,42 @@ def profile(
 
         step()  # warm-up: lazy initialisations, allocator caches
         step_seconds = _median_seconds(step, repeats, device)
-        peak_bytes = measure_peak_bytes(step, model, *_tensors(sample), device=device)
+        modules = [m for _, m in named_blocks]
+        memory = _StepMemory(modules[0], modules[-1], device)
+        model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
+        memory.measure(step, model, *_tensors(sample))
         measured = [
-            _measure_block(name, module, call, repeats, device)
-            for (name, module), call in zip(named_blocks, calls, strict=True)
+            _measure_block(name, module, call, repeats, device, gradient_bytes)
+            for (name, module), call, gradient_bytes in zip(
+                named_blocks, calls, _gradient_bytes(modules), strict=True
+            )
         ]
-    chain = Profile(
-        measured, peak_bytes, fixed_bytes=0, step_seconds=step_seconds, device=str(device)
+    return _assemble(measured, memory, step_seconds, device)
+
+
+def _assemble(
+    blocks: list[BlockProfile], memory: _StepMemory, step_seconds: float, device: torch.device
+) -> Profile:
+    """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them."""
+    fixed = memory.start
+    retained = sum(block.saved_bytes for block in blocks)  # after the plain forward
+    chain_output_gradient = blocks[-1].output_bytes
+    measured = Profile(
+        blocks,
+        peak_bytes=memory.peak,
+        fixed_bytes=fixed,
+        step_seconds=step_seconds,
+        device=str(device),
+        head_bytes=max(0, memory.highest["head"] - fixed - retained),
+        head_gradient_bytes=max(
+            0, memory.chain_backward_start - fixed - retained - chain_output_gradient
+        ),
+        other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
     )
-    chain.fixed_bytes = peak_bytes - simulate(chain, [])[0]
-    return chain
+    predicted = fixed + simulate(measured, [])[0]
+    measured.notes["measured_phase_peaks"] = dict(memory.highest)
+    measured.notes["plain_prediction_error"] = (predicted - memory.peak) / memory.peak
+    return measured
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,13 +247,149 @@ def _model_state_preserved(model: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+class _Memory(TorchDispatchMode):
+    """Allocated bytes on a device now, and the most since the last ``reset_peak()``.
+
+    On CUDA the allocator knows both. On CPU, MemTracker counts what exists (``tracked``: the
+    model and inputs made before it started; everything made inside it), and this mode reads
+    its current total after every operation: unlike a MemTracker started just for a part of a
+    step, that sees the part's frees of older tensors too (a backward pass frees what the
+    forward saved).
+    """
+
+    def __init__(self, device: torch.device, *tracked: Any) -> None:
+        super().__init__()
+        self.device = device
+        self._tracked = [obj for obj in tracked if obj is not None]
+        self._tracker: Any = None
+        self._highest = 0
+
+    def __enter__(self) -> _Memory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self._tracker = MemTracker()
+        if self._tracked:
+            self._tracker.track_external(*self._tracked)
+        self._tracker.__enter__()
+        self._highest = self.current()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            return
+        super().__exit__(*exc)
+        self._tracker.__exit__(*exc)
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        snapshot = self._tracker.get_tracker_snapshot("current")
+        return int(sum(breakdown.get("Total", 0) for device, breakdown in snapshot.items()
+                       if torch.device(device) == self.device))
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return max(self._highest, self.current())
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._highest = self.current()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        output = func(*args, **(kwargs or {}))
+        self._highest = max(self._highest, self.current())
+        return output
+
+
+class _StepMemory:
+    """Memory through one plain step, phase by phase: each phase's peak, and the memory at the
+    start and when the chain's backward starts.
+
+    Phases: "before" the chain, the chain's "forward", the "head" (from the chain's output to
+    its gradient), the chain's "backward", and "after" it (the embedding's backward).
+    """
+
+    def __init__(self, first: nn.Module, last: nn.Module, device: torch.device) -> None:
+        self.first, self.last, self.device = first, last, device
+        self.phase = "before"
+        self.highest: dict[str, int] = dict.fromkeys(
+            ("before", "forward", "head", "backward", "after"), 0
+        )
+        self.start = self.peak = self.chain_backward_start = 0
+        self._memory: _Memory | None = None
+
+    def measure(self, step: Callable[[], None], *tracked: Any) -> None:
+        hooks = [
+            self.first.register_forward_pre_hook(self._chain_starts, with_kwargs=True),
+            self.last.register_forward_hook(self._chain_ends),
+        ]
+        try:
+            with _Memory(self.device, *tracked) as memory:
+                self._memory = memory
+                self.start = memory.current()
+                step()
+                self._enter(self.phase)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.peak = max(self.highest.values())
+
+    def _enter(self, phase: str) -> None:
+        assert self._memory is not None
+        self.highest[self.phase] = max(self.highest[self.phase], self._memory.peak())
+        self._memory.reset_peak()
+        self.phase = phase
+
+    def _chain_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._enter("forward")
+        hidden = _first_tensor((args, kwargs))
+        if hidden is not None and hidden.requires_grad:
+            # the gradient of the chain's input ends the chain's backward
+            hidden.register_hook(lambda gradient: self._enter("after"))
+
+    def _chain_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._enter("head")
+        hidden = _first_tensor(output)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(self._chain_backward_starts)
+
+    def _chain_backward_starts(self, gradient: torch.Tensor) -> None:
+        self._enter("backward")
+        assert self._memory is not None
+        self.chain_backward_start = self._memory.current()  # the gradient included
+
+
+def _gradient_bytes(blocks: list[nn.Module]) -> list[int]:
+    """Per block, the bytes of its trainable parameters' gradients (a parameter shared by
+    several blocks counts in the last: its gradient appears in the first backward)."""
+    owner = {}
+    for index, block in enumerate(blocks):
+        for parameter in block.parameters():
+            if parameter.requires_grad:
+                owner[parameter] = index
+    sizes = [0] * len(blocks)
+    for parameter, index in owner.items():
+        sizes[index] += _nbytes(parameter)
+    return sizes
+
+
 # --------------------------------------------------------------------------------------------
 # One block on its own
 # --------------------------------------------------------------------------------------------
 
 
 def _measure_block(
-    name: str, block: nn.Module, call: _BlockCall, repeats: int, device: torch.device
+    name: str, block: nn.Module, call: _BlockCall, repeats: int, device: torch.device,
+    gradient_bytes: int,
 ) -> BlockProfile:
     parameter_storages = {_storage_key(p) for p in block.parameters()}
     parameter_storages |= {_storage_key(b) for b in block.buffers()}
@@ -241,12 +403,21 @@ def _measure_block(
             saved[key] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(remember, lambda tensor: tensor):
-        forward_peak, output = _transient_peak(lambda: block(*args, **kwargs), device)
-    chain_output = _block_output(output)
+    with _Memory(device, block, *_tensors((args, kwargs))) as memory:
+        # Each pass's peak above what exists when it starts, frees of older tensors counted:
+        # its forward's above its input; its backward's above what the forward saved and the
+        # incoming gradient (it frees the saved tensors as it goes).
+        start = memory.current()
+        with torch.autograd.graph.saved_tensors_hooks(remember, lambda tensor: tensor):
+            output = block(*args, **kwargs)
+        forward_peak = memory.peak() - start
+        chain_output = _block_output(output)
+        gradient = torch.ones_like(chain_output)
+        start = memory.current()
+        memory.reset_peak()
+        chain_output.backward(gradient)
+        backward_peak = memory.peak() - start
     input_saved = _storage_key(hidden) in saved
-    gradient = torch.ones_like(chain_output)
-    backward_peak, _ = _transient_peak(lambda: chain_output.backward(gradient), device)
     block.zero_grad(set_to_none=True)
 
     def forward_only() -> Any:
@@ -273,25 +444,8 @@ def _measure_block(
         backward_peak_bytes=backward_peak,
         matmul_bytes=matmul_bytes,
         matmul_seconds=matmul_share * forward_seconds,
+        gradient_bytes=gradient_bytes,
     )
-
-
-def _transient_peak(fn: Callable[[], Any], device: torch.device) -> tuple[int, Any]:
-    """Run fn; the most memory it held at once beyond what existed before it started."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before, result
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()  # knows only what is made inside it: exactly the transient
-    with tracker:
-        result = fn()
-    peak = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
-    return int(peak), result
 
 
 class _OpTimer(TorchDispatchMode):

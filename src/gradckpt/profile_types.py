@@ -40,6 +40,9 @@ class BlockProfile:
       started (its saved tensors and the incoming gradient are already counted there).
     - ``matmul_bytes``, ``matmul_seconds``: outputs and forward time of its matrix multiplies and
       attention kernels: what ``policy="save-matmuls"`` keeps and then does not recompute.
+    - ``gradient_bytes``: the gradients of its trainable parameters. They appear during its
+      backward pass (inside ``backward_peak_bytes``) and stay until the step ends, so they weigh
+      on the backward of every block before it.
     """
 
     name: str
@@ -53,6 +56,7 @@ class BlockProfile:
     backward_peak_bytes: int = 0
     matmul_bytes: int = 0
     matmul_seconds: float = 0.0
+    gradient_bytes: int = 0
 
 
 @dataclass
@@ -60,10 +64,18 @@ class Profile:
     """A model's chain of blocks plus the step around it.
 
     - ``peak_bytes``: the measured peak memory of one training step without checkpointing.
-    - ``fixed_bytes``: the part of that peak the chain does not explain (parameters, gradients,
-      buffers, embeddings, logits and loss); a plan's predicted peak is this plus the chain's
-      peak under the plan.
+    - ``fixed_bytes``: what is allocated throughout the step whatever the plan: parameters,
+      buffers, the inputs (and gradients or optimizer state kept from an earlier step). A
+      plan's predicted peak is this plus the peak ``gradckpt.plan.simulate`` finds above it.
     - ``step_seconds``: the measured time of one training step without checkpointing.
+    - ``head_bytes``: the most memory the part of the step after the chain (output head, loss
+      and their backward, up to the chain's output gradient) holds above ``fixed_bytes`` and
+      what the chain retains for backward: the logits and their gradient, mostly.
+    - ``head_gradient_bytes``: what that part leaves allocated while the chain's backward runs
+      (the head's parameter gradients).
+    - ``other_peak_bytes``: the highest point, above ``fixed_bytes``, of the step outside the
+      chain's activations (before the chain, and after its backward: the embedding's backward
+      with every gradient allocated). Plans do not change it.
     """
 
     blocks: list[BlockProfile]
@@ -72,6 +84,9 @@ class Profile:
     step_seconds: float
     device: str = "cpu"
     notes: dict[str, Any] = field(default_factory=dict)
+    head_bytes: int = 0
+    head_gradient_bytes: int = 0
+    other_peak_bytes: int = 0
 
     def validate(self) -> None:
         """Raise ``UsageError`` naming the first block whose numbers cannot be right.
@@ -87,6 +102,10 @@ class Profile:
             ...
             gradckpt.errors.UsageError: block h.0: saved_bytes (50) is below input_bytes (100) ...
         """
+        for name in ("head_bytes", "head_gradient_bytes", "other_peak_bytes"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"profile {name} is negative ({getattr(self, name)}); fix the "
+                                 "profile or re-measure it with gradckpt.profile")
         for block in self.blocks:
             problem = _inconsistency(block)
             if problem:
@@ -113,7 +132,7 @@ class Profile:
 def _inconsistency(block: BlockProfile) -> str | None:
     for name in ("input_bytes", "output_bytes", "saved_bytes", "forward_peak_bytes",
                  "backward_peak_bytes", "matmul_bytes", "forward_seconds", "backward_seconds",
-                 "matmul_seconds"):
+                 "matmul_seconds", "gradient_bytes"):
         if getattr(block, name) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     if block.input_saved and block.saved_bytes < block.input_bytes:

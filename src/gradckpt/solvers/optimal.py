@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import Segment, simulate
+from ..plan import Segment, gradients_after, simulate
 from ..profile_types import BlockProfile, Profile
 from .chen_greedy import solve_chen_greedy
 
@@ -175,7 +175,14 @@ class _Chain:
         self.blocks: list[BlockProfile] = profile.blocks
         self.n = len(self.blocks)
         self.policies = any(b.matmul_bytes or b.matmul_seconds for b in self.blocks)
-        self.alive = [b.output_bytes for b in self.blocks] + [0]
+        # While a run inside a segment ending at c is (re)computed in backward, c's output
+        # gradient and every parameter gradient made before are alive; nothing at the top.
+        self.gradients_after = gradients_after(profile)
+        self.alive = [
+            b.output_bytes + g for b, g in zip(self.blocks, self.gradients_after, strict=True)
+        ]
+        self.alive.append(0)
+        self.head_bytes = profile.head_bytes
         self._segments: dict[int, _SegmentCosts] = {}
 
     def end(self, column: int) -> int:
@@ -186,7 +193,8 @@ class _Chain:
         block = self.blocks[s]
         added = block.saved_bytes - (block.input_bytes if input_retained and block.input_saved
                                      else 0)
-        return added, added + block.output_bytes + block.backward_peak_bytes
+        return added, (added + block.output_bytes + block.backward_peak_bytes
+                       + self.gradients_after[s])
 
     def kept_forward_peak(self, s: int, input_retained: bool, column: int) -> int:
         block = self.blocks[s]
@@ -213,12 +221,12 @@ class _Chain:
             added, _ = self.kept(j, input_retained=j == s)
             retained += added - block.matmul_bytes
             backward_high = max(backward_high, retained + block.output_bytes
-                                + block.backward_peak_bytes)
+                                + block.backward_peak_bytes + self.gradients_after[j])
             costs.transient.append(transient)
             costs.forward_seconds.append(seconds)
             costs.matmul_bytes.append(matmul_bytes)
             costs.policy_seconds.append(policy_seconds)
-            costs.policy_peak.append(int(max(block.output_bytes + forward_high, backward_high)))
+            costs.policy_peak.append(int(max(self.alive[j] + forward_high, backward_high)))
         self._segments[s] = costs
         return costs
 
@@ -252,7 +260,8 @@ class _TimeTables:
         self.at_input = torch.full((n, n, levels), _INF, dtype=_DTYPE)
         for s in range(1, n + 1):
             self.after[s, s - 1] = 0.0  # the empty run after a segment's last block
-        self.after[n, n] = 0.0  # the empty top-level run
+        # The empty top-level run: the head runs on what the chain retains.
+        self.after[n, n, self.units(self.chain.head_bytes):] = 0.0
         self._after_rows = self.after.unbind(0)  # views, indexed once rather than per use
         for s in range(n - 1, -1, -1):
             self._fill(s)
@@ -418,6 +427,7 @@ class _LowestPeak:
         n = chain.n
         # after[s][c], at_input[s][e]: (peak, plan builder); the empty runs peak at 0.
         self.after: list[list[tuple[int, object]]] = [[(0, None)] * (n + 1) for _ in range(n + 1)]
+        self.after[n][n] = (chain.head_bytes, None)  # the head runs on what the chain retains
         self.at_input: list[list[tuple[int, object]]] = [[(0, None)] * n for _ in range(n)]
         for s in range(n - 1, -1, -1):
             self._fill(s)
