@@ -93,10 +93,10 @@ def test_llama_from_a_config_fits_the_budget_with_identical_gradients() -> None:
     model = copy.deepcopy(plain)
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, 256, (4, 64), generator=generator)
-    # Transformers passes a DynamicCache to its layers in training unless use_cache=False; its
-    # own gradient checkpointing turns the cache off for the same reason we must: recomputing a
-    # layer would append to it again (the Hugging Face integration will do this for the user).
-    sample = {"input_ids": input_ids, "labels": input_ids, "use_cache": False}
+    # config.use_cache is true: the layers get a DynamicCache in training unless gradckpt turns
+    # it off (recomputed layers would append to it again).
+    assert model.config.use_cache
+    sample = {"input_ids": input_ids, "labels": input_ids}
 
     def llama_step(m: nn.Module) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
         m.zero_grad(set_to_none=True)
@@ -113,7 +113,11 @@ def test_llama_from_a_config_fits_the_budget_with_identical_gradients() -> None:
     plain_peak, plain_loss, plain_grads = llama_step(plain)
     budget = int(0.6 * plain_peak)
     plan = gradckpt.enable(model, sample, budget=budget)
+    assert plan.segments and not model.config.use_cache
     peak, loss, grads = llama_step(model)
     assert peak <= budget * ALLOWANCE, (peak, budget, str(plan.segments))
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.01 * peak, (plan.predicted_peak_bytes, peak)
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    gradckpt.disable(model)
+    assert model.config.use_cache

@@ -2,25 +2,31 @@
 
 ``apply(model, plan)`` finds the plan's blocks in the model by name and checkpoints the plan's
 segments (nested ones included) with ``gradckpt.segments.checkpoint_segments``: hooks on the
-blocks, nothing else. Parameters, their names, ``state_dict`` keys and outputs do not change.
-``disable(model)`` removes the hooks: the model runs exactly as before.
+blocks, and Hugging Face key/value caches off (``gradckpt.caches``), nothing else. Parameters,
+their names, ``state_dict`` keys and outputs do not change. ``disable(model)`` removes the hooks
+and turns the caches back on: the model runs exactly as before.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 from torch import nn
 
 from .blocks import resolve_blocks
+from .caches import turn_caches_off
 from .errors import UsageError
 from .plan import Plan, Segment
 from .segments import SegmentsHandle, checkpoint_segments
 
 __all__ = ["apply", "disable"]
 
-# The hooks installed on each model, so that disable() and a second apply() can remove them.
-_installed: weakref.WeakKeyDictionary[nn.Module, SegmentsHandle] = weakref.WeakKeyDictionary()
+# What apply() installed on each model (the segments' hooks, and how to turn its key/value
+# caches back on), so that disable() and a second apply() can take it off.
+_installed: weakref.WeakKeyDictionary[
+    nn.Module, tuple[SegmentsHandle, Callable[[], None]]
+] = weakref.WeakKeyDictionary()
 
 
 def apply(model: nn.Module, plan: Plan) -> None:
@@ -60,12 +66,14 @@ def apply(model: nn.Module, plan: Plan) -> None:
     if not flat:
         return  # plan "none": nothing to install, nothing to pay
     names = [f"{plan.block_names[s.start]}..{plan.block_names[s.end]}" for s in flat]
-    _installed[model] = checkpoint_segments(
+    handle = checkpoint_segments(
         [module for _, module in named_blocks],
         [(s.start, s.end) for s in flat],
         policies=[s.policy for s in flat],
         names=names,
     )
+    # Recomputed layers would append to a key/value cache twice (see gradckpt.caches).
+    _installed[model] = (handle, turn_caches_off(model))
 
 
 def disable(model: nn.Module) -> None:
@@ -75,9 +83,11 @@ def disable(model: nn.Module) -> None:
         >>> import torch, gradckpt
         >>> gradckpt.disable(torch.nn.Linear(2, 2))
     """
-    handle = _installed.pop(model, None)
-    if handle is not None:
+    installed = _installed.pop(model, None)
+    if installed is not None:
+        handle, turn_caches_back_on = installed
         handle.remove()
+        turn_caches_back_on()
 
 
 def _flatten(segments: list[Segment]) -> list[Segment]:

@@ -32,12 +32,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .blocks import resolve_blocks
+from .caches import caches_off
 from .engine import _detached_like, _first_tensor, _storage_key
 from .errors import UsageError
 from .measure import infer_device
 from .plan import simulate
 from .policies import is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
+from .progress import progress as show_progress
 
 __all__ = ["profile", "run_model", "loss_of"]
 
@@ -97,6 +99,7 @@ def profile(
     blocks: Any = None,
     *,
     repeats: int = 3,
+    progress: bool = True,
 ) -> Profile:
     """Measure one training step of ``model`` on ``sample`` and each block of its chain.
 
@@ -106,6 +109,10 @@ def profile(
         loss_fn: turns the output into the loss; default ``output.loss`` or ``output.sum()``.
         blocks: the chain (default: ``gradckpt.find_blocks(model)``); see ``resolve_blocks``.
         repeats: measured repetitions for every time (the median is kept).
+        progress: show a progress bar on stderr once profiling has taken two seconds.
+
+    Hugging Face key/value caches are off while it measures (``gradckpt.caches``), as they
+    are while a plan is applied.
 
     Example:
         >>> import torch, gradckpt
@@ -122,26 +129,32 @@ def profile(
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
     device = infer_device(model)
-    with _model_state_preserved(model):
-        calls = _record_block_calls(model, sample, loss_fn, [m for _, m in named_blocks])
+    modules = [m for _, m in named_blocks]
+    steps = 1 + repeats + 1 + len(modules)  # warm-up, timed steps, memory step, each block
+    with (
+        _model_state_preserved(model),
+        caches_off(model),
+        show_progress(steps, "gradckpt: profiling", enabled=progress) as bar,
+    ):
+        calls = _record_block_calls(model, sample, loss_fn, modules)
 
         def step() -> None:
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
             model.zero_grad(set_to_none=True)
             loss_of(run_model(model, sample), loss_fn).backward()
+            bar.update()
 
         step()  # warm-up: lazy initialisations, allocator caches
         step_seconds = _median_seconds(step, repeats, device)
-        modules = [m for _, m in named_blocks]
         memory = _StepMemory(modules[0], modules[-1], device)
         model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
         memory.measure(step, model, *_tensors(sample))
-        measured = [
-            _measure_block(name, module, call, repeats, device, gradient_bytes)
-            for (name, module), call, gradient_bytes in zip(
-                named_blocks, calls, _gradient_bytes(modules), strict=True
-            )
-        ]
+        measured = []
+        for (name, module), call, gradient_bytes in zip(
+            named_blocks, calls, _gradient_bytes(modules), strict=True
+        ):
+            measured.append(_measure_block(name, module, call, repeats, device, gradient_bytes))
+            bar.update()
     return _assemble(measured, memory, step_seconds, device)
 
 
