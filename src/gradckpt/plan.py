@@ -99,29 +99,9 @@ class Plan:
             h.2    kept
             strategy sqrt: predicted peak 2.00 KiB, predicted extra time +25.0%
         """
-        from .budget import format_bytes
+        from .report import plan_table  # report imports Plan for its type hints
 
-        fates = {index: "kept" for index in range(len(self.block_names))}
-        for segment, depth in _walk(self.segments, 0):
-            for index in segment.blocks():
-                where = f"segment {segment.start}-{segment.end}"
-                if depth:
-                    where += f" (nested, level {depth + 1})"
-                if segment.policy:
-                    where += f", {segment.policy}"
-                if index == segment.start and depth == 0:
-                    where += " (its input kept)"
-                fates[index] = (f"{fates[index]}; " if depth else "recomputed: ") + where
-        width = max([len("block"), *map(len, self.block_names)])
-        rows = [f"{'block':<{width}}  what happens to its activations"]
-        rows += [f"{name:<{width}}  {fates[i]}" for i, name in enumerate(self.block_names)]
-        budget = f" within {format_bytes(self.budget_bytes)}" if self.budget_bytes else ""
-        rows.append(
-            f"strategy {self.strategy}{budget}: predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)}, predicted extra time "
-            f"+{100 * self.predicted_overhead:.1f}%"
-        )
-        return "\n".join(rows)
+        return plan_table(self)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
