@@ -52,6 +52,9 @@ def test_saved_bytes_are_exactly_what_the_graph_keeps() -> None:
         assert block.input_saved
         assert block.saved_bytes == 2 * hidden_bytes
         assert block.matmul_bytes == hidden_bytes  # the addmm output
+        assert block.saved_bytes_by_op == {"input": hidden_bytes, "aten.relu": hidden_bytes}
+        assert sum(block.forward_seconds_by_op.values()) == pytest.approx(block.forward_seconds)
+        assert set(block.forward_seconds_by_op) >= {"aten.addmm", "aten.relu"}
     assert [block.name for block in measured.blocks] == ["0", "1", "2"]
 
 
@@ -64,6 +67,9 @@ def test_gpt_blocks_and_the_step() -> None:
         assert block.saved_bytes > block.input_bytes and block.input_saved
         assert block.forward_seconds > 0 and block.backward_seconds >= 0
         assert 0 < block.matmul_bytes < block.saved_bytes
+        assert sum(block.saved_bytes_by_op.values()) == block.saved_bytes
+        assert block.saved_bytes_by_op["input"] == hidden_bytes
+        assert "aten.bernoulli_" in block.saved_bytes_by_op  # dropout masks
     model = tiny_gpt()
     sample = gpt_sample()
     plain_peak = measure_peak_bytes(lambda: model(**sample).backward(), model, sample["idx"])

@@ -24,6 +24,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -444,7 +445,7 @@ def _measure_block(
     forward_seconds = _median_seconds(forward_only, repeats, device)
     both_seconds = _median_seconds(forward_and_backward, repeats, device)
     block.zero_grad(set_to_none=True)
-    matmul_bytes, matmul_share = _matmul_outputs(block, call)
+    operations = _operations(block, call)
     return BlockProfile(
         name=name,
         input_bytes=_nbytes(hidden),
@@ -455,41 +456,81 @@ def _measure_block(
         backward_seconds=max(both_seconds - forward_seconds, 0.0),
         forward_peak_bytes=forward_peak,
         backward_peak_bytes=backward_peak,
-        matmul_bytes=matmul_bytes,
-        matmul_seconds=matmul_share * forward_seconds,
+        matmul_bytes=operations.matmul_bytes,
+        matmul_seconds=operations.matmul_share * forward_seconds,
+        saved_bytes_by_op=operations.saved_bytes,
+        forward_seconds_by_op={
+            name: share * forward_seconds for name, share in operations.time_share.items()
+        },
         gradient_bytes=gradient_bytes,
     )
 
 
 class _OpTimer(TorchDispatchMode):
-    """Times every ATen operation and adds up the matmul/attention outputs and time."""
+    """Times every ATen operation, by operation, and remembers which made each storage."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.total_seconds = 0.0
-        self.matmul_seconds = 0.0
+        self.seconds: dict[str, float] = {}
         self.matmul_bytes = 0
+        self.matmul_seconds = 0.0
+        self.producer: dict[int, str] = {}  # storage -> the operation that made it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         start = time.perf_counter()
         output = func(*args, **(kwargs or {}))
         elapsed = time.perf_counter() - start
-        self.total_seconds += elapsed
+        name = str(func.overloadpacket)
+        self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        for tensor in outputs:
+            key = _storage_key(tensor)
+            if self.producer.get(key, "").startswith("aten.empty"):
+                self.producer[key] = name  # the first to write it (dropout's bernoulli_)
+            else:
+                self.producer.setdefault(key, name)
         if is_matmul_or_attention(func):
+            self.matmul_bytes += sum(_nbytes(t) for t in outputs)
             self.matmul_seconds += elapsed
-            self.matmul_bytes += sum(
-                _nbytes(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)
-            )
         return output
 
 
-def _matmul_outputs(block: nn.Module, call: _BlockCall) -> tuple[int, float]:
-    """Bytes of the block's matmul/attention outputs and their share of its forward time."""
-    args, kwargs, _ = call.fresh()
-    with _OpTimer() as timer:  # with grad, as in training: kernels can differ without it
+@dataclass
+class _Operations:
+    """A block's forward pass by ATen operation (what op-level choices weigh)."""
+
+    matmul_bytes: int  # outputs of matrix multiplies and attention kernels
+    matmul_share: float  # their share of the forward time
+    saved_bytes: dict[str, int]  # bytes saved for backward, by the operation that made them
+    time_share: dict[str, float]  # share of the forward time, by operation
+
+
+def _operations(block: nn.Module, call: _BlockCall) -> _Operations:
+    """Run the block's forward once more, timing and attributing each operation."""
+    args, kwargs, hidden = call.fresh()
+    excluded = {_storage_key(t) for t in (*block.parameters(), *block.buffers())}
+    saved: dict[int, int] = {}
+
+    def remember(tensor: torch.Tensor) -> torch.Tensor:
+        if _storage_key(tensor) not in excluded:
+            saved[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    # With grad, as in training: kernels can differ without it.
+    with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t), _OpTimer() as timer:
         block(*args, **kwargs)
-    share = timer.matmul_seconds / timer.total_seconds if timer.total_seconds else 0.0
-    return timer.matmul_bytes, share
+    total = sum(timer.seconds.values())
+    saved_by_op: dict[str, int] = {}
+    for key, nbytes in saved.items():
+        name = "input" if key == _storage_key(hidden) else timer.producer.get(key, "other input")
+        saved_by_op[name] = saved_by_op.get(name, 0) + nbytes
+    by_time = sorted(timer.seconds.items(), key=lambda item: -item[1])
+    return _Operations(
+        matmul_bytes=timer.matmul_bytes,
+        matmul_share=timer.matmul_seconds / total if total else 0.0,
+        saved_bytes=dict(sorted(saved_by_op.items(), key=lambda item: -item[1])),
+        time_share={name: seconds / total for name, seconds in by_time} if total else {},
+    )
 
 
 # --------------------------------------------------------------------------------------------

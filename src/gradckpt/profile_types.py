@@ -40,6 +40,9 @@ class BlockProfile:
       started (its saved tensors and the incoming gradient are already counted there).
     - ``matmul_bytes``, ``matmul_seconds``: outputs and forward time of its matrix multiplies and
       attention kernels: what ``policy="save-matmuls"`` keeps and then does not recompute.
+    - ``saved_bytes_by_op``, ``forward_seconds_by_op``: ``saved_bytes`` and ``forward_seconds``
+      by the ATen operation that made them (``"aten.mm"``; ``"input"``: the block's input),
+      largest first: what an op-level choice (keep this output, recompute that) weighs.
     - ``gradient_bytes``: the gradients of its trainable parameters. They appear during its
       backward pass (inside ``backward_peak_bytes``) and stay until the step ends, so they weigh
       on the backward of every block before it.
@@ -57,6 +60,8 @@ class BlockProfile:
     matmul_bytes: int = 0
     matmul_seconds: float = 0.0
     gradient_bytes: int = 0
+    saved_bytes_by_op: dict[str, int] = field(default_factory=dict)
+    forward_seconds_by_op: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
