@@ -19,7 +19,7 @@ batch and seed), measured side by side in one run:
       gradckpt @ <anchor>   ``gradckpt.solve(gradckpt.profile(model, sample), P, "optimal")``
                             with P = the anchor's measured peak, installed with ``gradckpt.apply``
 
-Run it (3-4 minutes on a quiet 2-core CPU; ``--quick`` is a smoke test of seconds):
+Run it (about 2 minutes on a quiet 2-core CPU; ``--quick`` is a smoke test of seconds):
 
     .venv/bin/python bench/frontier.py
     .venv/bin/python bench/frontier.py --quick
@@ -496,7 +496,7 @@ def verdict(rows: list[FrontierRow], checks: dict[str, PredictionCheck]) -> str:
 # --------------------------------------------------------------------------------------------
 
 # Sizes and repetitions: the full run (a plain step ~0.5 s on 2 CPU cores, up to 10 contenders a
-# round, the script 3-4 minutes) and --quick (a smoke test of seconds). Explicit flags win.
+# round, the script about 2 minutes) and --quick (a smoke test of seconds). Explicit flags win.
 FULL = dict(layers=8, batch=8, seq=128, embd=256, heads=4, rounds=15, warmup=1, patience=300.0)
 QUICK = dict(layers=4, batch=2, seq=32, embd=64, heads=2, rounds=3, warmup=1, patience=0.0)
 
