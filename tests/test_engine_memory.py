@@ -18,6 +18,7 @@ to the byte.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -271,7 +272,10 @@ def test_partial_autograd_grad_frees_what_it_did_not_use(policy: str | None) -> 
         after_forward = current_bytes(tracker)
         (grad_a,) = torch.autograd.grad(y.sum(), [a])
         after_grad = current_bytes(tracker)
-    assert after_grad - after_forward == storage_bytes(grad_a)
+    # The kept matmul outputs (first(a), second(b)) were handed to the recomputation and freed
+    # with it, as torch's selective checkpointing does; a later backward would recompute them.
+    handed_out = 2 * BATCH * WIDTH * FLOAT_BYTES if policy == "save-matmuls" else 0
+    assert after_grad - after_forward == storage_bytes(grad_a) - handed_out
     # And the result is right: d/da sum(first(a) * g) = g @ W1.
     expected = (F.gelu(second(b)) @ first.weight).detach()
     torch.testing.assert_close(grad_a, expected)
@@ -280,8 +284,9 @@ def test_partial_autograd_grad_frees_what_it_did_not_use(policy: str | None) -> 
 @pytest.mark.parametrize("policy", [None, "save-matmuls"])
 def test_retain_graph_backward_frees_recomputed_tensors_each_time(policy: str | None) -> None:
     """(d) backward(retain_graph=True), twice: each time memory returns to the after-forward
-    level plus the grads (they accumulate in place). A last backward without retain_graph
-    releases the graph, and with it what the region kept (its input, the kept matmuls)."""
+    level plus the grads (they accumulate in place), less the kept matmul outputs: the first
+    recomputation took them over and freed them with its graph (later ones recompute those
+    matmuls). A last backward without retain_graph releases the graph, and with it the input."""
     region = mlp_region()
     leaf = torch.randn(BATCH, WIDTH, requires_grad=True)
     tracker = tracker_for(region)
@@ -297,6 +302,47 @@ def test_retain_graph_backward_frees_recomputed_tensors_each_time(policy: str | 
             loss.backward(retain_graph=retain_graph)
             levels.append(current_bytes(tracker) - after_forward)
     grad_bytes = parameter_bytes(region) + storage_bytes(leaf.grad)
-    kept_bytes = input_bytes + (MLP_MATMUL_OUTPUT_BYTES if policy == "save-matmuls" else 0)
-    assert levels == [grad_bytes, grad_bytes, grad_bytes - kept_bytes]
+    handed_out = MLP_MATMUL_OUTPUT_BYTES if policy == "save-matmuls" else 0
+    after_retained = grad_bytes - handed_out
+    assert levels == [after_retained, after_retained, after_retained - input_bytes]
     assert math.isfinite(loss.item())
+
+
+def test_kept_outputs_backward_does_not_save_are_freed_during_recomputation() -> None:
+    """A kept matmul output that backward never saves (here: scaled by a constant before the
+    next layer) is freed as soon as the recomputation has used it, so the backward peaks no
+    higher than under torch's own selective checkpointing with the same choices."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    from gradckpt.policies import is_matmul_or_attention
+
+    torch.manual_seed(0)
+    first, second = nn.Linear(WIDTH, 8 * WIDTH), nn.Linear(8 * WIDTH, WIDTH)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(second(first(x) * 2.0))  # mul by a number saves nothing
+
+    def torch_policy(ctx, op, *args, **kwargs):  # noqa: ANN001
+        if is_matmul_or_attention(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def peak_of_step(run) -> int:  # noqa: ANN001
+        leaf = torch.randn(4 * BATCH, WIDTH, requires_grad=True)
+        tracker = tracker_for(first, second, leaf)
+        with tracker:
+            run(leaf * 2).square().sum().backward()
+        first.zero_grad(set_to_none=True)
+        second.zero_grad(set_to_none=True)
+        return tracker.get_tracker_snapshot("peak")[CPU]["Total"]
+
+    ours = peak_of_step(lambda x: gradckpt.checkpoint(region, x, policy="save-matmuls"))
+    context = functools.partial(create_selective_checkpoint_contexts, torch_policy)
+    theirs = peak_of_step(
+        lambda x: checkpoint(region, x, use_reentrant=False, context_fn=context)
+    )
+    assert ours == theirs

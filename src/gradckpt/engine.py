@@ -587,13 +587,22 @@ class _OpRecord:
         else:
             self.stored.finish_before_mutation()
 
+    @property
+    def handed_out(self) -> bool:
+        """A kept output already given to a recomputation: a later one must run the op again."""
+        return self.fate is Fate.KEEP and self.stored is None
+
     def replay(self) -> Any:
         if self.fate is Fate.OFFLOAD:
             return self.stored.restore(fresh_copy=self.mutated_later)
-        # A fresh alias each time, so autograd's bookkeeping on it never leaks between runs; a
-        # copy when recomputation will modify it in place, so a second backward still works.
-        copy = torch.Tensor.clone if self.mutated_later else torch.Tensor.detach
-        return tree_map_only(torch.Tensor, copy, self.stored)
+        # Kept outputs are handed over, not shared: the recomputation's graph holds them while
+        # its backward needs them, and an output it never saves is freed as soon as the
+        # recomputation has used it (as torch's selective checkpointing does). Holding on
+        # until the region dies would add every kept output that backward does not save to
+        # the step's peak. The rare second backward (retain_graph=True) recomputes the op.
+        # A fresh alias, so autograd's bookkeeping on it never leaks into the region.
+        stored, self.stored = self.stored, None
+        return tree_map_only(torch.Tensor, torch.Tensor.detach, stored)
 
 
 def _first_tensor(tree: Any) -> torch.Tensor | None:
@@ -703,7 +712,7 @@ class _PolicyMode(TorchDispatchMode):
             raise region.mismatch(
                 f"ran {func} as operation #{position}, where the forward pass ran {expected}"
             )
-        if record.fate is Fate.RECOMPUTE:
+        if record.fate is Fate.RECOMPUTE or record.handed_out:
             return func(*args, **kwargs)
         with _engine_internal():
             return record.replay()
