@@ -584,11 +584,7 @@ def _measure_chain_block(size: DemoSize, seed: int):
     torch.manual_seed(seed)
     chain = mlp_chain(4, size.chain_width)
     rows = torch.randn(size.chain_rows, size.chain_width)
-    block = gradckpt.profile(chain, rows).blocks[1]  # an inner block: input from a block
-    # Whole blocks and the save-matmuls preset only: per-operation choices multiply the
-    # optimal solver's work on long chains (100 blocks: 24 s instead of 1 s on 2 cores) and
-    # change this table by under 1%.
-    return dataclasses.replace(block, saved_bytes_by_op={}, forward_seconds_by_op={})
+    return gradckpt.profile(chain, rows).blocks[1]  # an inner block: input from a block
 
 
 def _measured_memory(block, depth: int, plans: dict[str, Any], size: DemoSize, seed: int):
