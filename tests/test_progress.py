@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gradckpt.progress import progress
+from gradckpt.progress import progress, stage, with_progress
 
 
 def run(steps: int, **options: object) -> None:
@@ -40,3 +40,34 @@ def test_quiet_when_disabled_or_quick(
         run(3, **options)
         captured = capsys.readouterr()
         assert captured.err == "" and captured.out == ""
+
+
+def test_with_progress_yields_the_items_and_counts_them(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert list(with_progress([1, 2, 3], "counting", delay=0.0)) == [1, 2, 3]
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines()[0] == "counting: 1/3"
+
+
+def test_with_progress_without_a_length_counts_without_a_total(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert list(with_progress(iter("ab"), "reading", delay=0.0)) == ["a", "b"]
+    assert capsys.readouterr().err.splitlines()[0] == "reading: 1"
+
+
+def test_with_progress_bar_stays_off_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    assert list(with_progress(range(2), "counting", delay=0.0)) == [0, 1]
+    captured = capsys.readouterr()
+    assert captured.out == "" and "counting" in captured.err
+
+
+def test_stage_is_one_line_on_stderr_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    stage("profiling")
+    stage("hidden", enabled=False)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "gradckpt: profiling ...\n"

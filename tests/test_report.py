@@ -1,4 +1,4 @@
-"""Tables, plots and progress messages (gradckpt.report)."""
+"""Tables and plots (gradckpt.report)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from gradckpt.report import (
     plan_table,
     plot_frontier,
     plot_memory_vs_depth,
-    progress,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -68,17 +67,4 @@ def test_plots_without_matplotlib_say_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(PlotsUnavailable, match=r"pip install 'gradckpt\[plot\]'"):
         plot_frontier([StrategyPoint("none", 1, 1.0)], tmp_path / "frontier.png")
     assert not (tmp_path / "frontier.png").exists()
-
-
-def test_progress_without_tqdm_prints_one_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tqdm", None)
-    assert list(progress([1, 2, 3], "counting")) == [1, 2, 3]
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == "gradckpt: counting ...\n"
-
-
-def test_progress_with_tqdm_stays_off_stdout(capsys):
-    pytest.importorskip("tqdm")
-    assert list(progress(range(2), "counting")) == [0, 1]
-    assert capsys.readouterr().out == ""
 

@@ -390,12 +390,12 @@ def _measure_peaks(model, sample, runs: list[_PlanRun], device) -> None:
     import gradckpt
     from gradckpt.measure import measure_peak_bytes
     from gradckpt.profile import loss_of, run_model
-    from gradckpt.report import progress
+    from gradckpt.progress import with_progress
 
     def forward_backward() -> None:
         loss_of(run_model(model, sample)).backward()
 
-    for run in progress(runs, "measuring the peak of each plan"):
+    for run in with_progress(runs, "gradckpt: measuring the peak of each plan"):
         gradckpt.apply(model, run.plan)
         model.zero_grad(set_to_none=True)  # as in profile(): gradients start the step as None
         run.peak_bytes = measure_peak_bytes(
@@ -409,10 +409,11 @@ def _time_plans(model, sample, runs: list[_PlanRun], repeats: int, device) -> No
     """Median forward+backward time of each plan, in rounds (A, B, C, ..., A, B, C, ...)."""
     import gradckpt
     from gradckpt.profile import loss_of, run_model
-    from gradckpt.report import progress
+    from gradckpt.progress import with_progress
 
     times: dict[int, list[float]] = {index: [] for index in range(len(runs))}
-    for round_index in progress(range(1 + repeats), "timing the plans side by side"):
+    rounds = range(1 + repeats)
+    for round_index in with_progress(rounds, "gradckpt: timing the plans side by side"):
         for index, run in enumerate(runs):
             gradckpt.apply(model, run.plan)  # outside the timed part: installing is not a step
             model.zero_grad(set_to_none=True)
@@ -433,10 +434,11 @@ def _train_plans(model, batches, runs: list[_PlanRun], seed: int) -> None:
     import torch
 
     import gradckpt
-    from gradckpt.report import progress
+    from gradckpt.progress import with_progress
 
     initial = copy.deepcopy(model.state_dict())
-    for run in progress(runs, f"training {len(batches)} AdamW steps under each plan"):
+    training = f"gradckpt: training {len(batches)} AdamW steps under each plan"
+    for run in with_progress(runs, training):
         model.load_state_dict(initial)
         gradckpt.apply(model, run.plan)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -468,7 +470,7 @@ def _compare_strategies(size: DemoSize, device, seed: int) -> tuple[str, list[_P
 
     import gradckpt
     from gradckpt.models import GPTConfig, TinyGPT
-    from gradckpt.report import stage
+    from gradckpt.progress import stage
 
     config = GPTConfig(n_layer=size.layers, block_size=size.seq)
     torch.manual_seed(seed)
@@ -620,12 +622,13 @@ def _measured_memory(block, depth: int, plans: dict[str, Any], size: DemoSize, s
 def _sqrt_rows(size: DemoSize, seed: int) -> tuple[Any, list[_DepthRow]]:
     """Part 2: per chain length, each strategy's memory and extra forwards."""
     from gradckpt.plan import simulate
-    from gradckpt.report import progress, stage
+    from gradckpt.progress import stage, with_progress
 
     stage("profiling one MLP block")
     block = _measure_chain_block(size, seed)
     rows = []
-    for depth in progress(size.depths, "solving chains of n blocks (measuring the short ones)"):
+    solving = "gradckpt: solving chains of n blocks (measuring the short ones)"
+    for depth in with_progress(size.depths, solving):
         chain = homogeneous_chain(block, depth)
         plans = sqrt_plans(chain)
         chain_forward_seconds = depth * block.forward_seconds
@@ -1027,7 +1030,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     import gradckpt
     from gradckpt.budget import format_bytes
-    from gradckpt.report import memory_breakdown_table, stage
+    from gradckpt.progress import stage
+    from gradckpt.report import memory_breakdown_table
 
     if args.list:
         print(_builtin_list())

@@ -1,14 +1,21 @@
-"""Progress bars for work that may take a while (profiling, the demo).
+"""Progress on stderr for work that may take a while (profiling, the demo, ``gradckpt plan``).
 
-``progress(total, description)`` is a context manager yielding an object with ``update(n)``.
-With the ``progress`` extra (tqdm) it draws a bar on stderr; without it, plain lines. Either way
-nothing is shown for work that finishes within ``delay`` seconds, and nothing at all when
-``enabled`` is false (library calls inside tests, ``--quiet``).
+The one place gradckpt shows progress; stdout is left to the results.
+
+- ``progress(total, description)``: a context manager yielding an object with ``update(n)``;
+- ``with_progress(items, description)``: yields ``items``, counting them with ``progress``;
+- ``stage(description)``: one line saying that a stage with no steps to count has started.
+
+With the ``progress`` extra (tqdm) a bar is drawn; without it, a plain line now and then. Either
+way nothing is shown for work that finishes within ``delay`` seconds, and nothing at all when
+``enabled`` is false (library calls inside tests).
 
 Example:
     >>> with progress(3, "measuring", enabled=False) as bar:
     ...     for _ in range(3):
     ...         bar.update()
+    >>> list(with_progress("abc", "reading", enabled=False))
+    ['a', 'b', 'c']
 """
 
 from __future__ import annotations
@@ -16,19 +23,21 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
-__all__ = ["progress"]
+__all__ = ["progress", "with_progress", "stage"]
 
 # Seconds before anything is shown: quick work stays quiet.
 DELAY_SECONDS = 2.0
+
+_Item = TypeVar("_Item")
 
 
 class _Lines:
     """The fallback without tqdm: a line now and then, once the work has run ``delay`` s."""
 
-    def __init__(self, total: int, description: str, delay: float) -> None:
+    def __init__(self, total: int | None, description: str, delay: float) -> None:
         self.total, self.description, self.delay = total, description, delay
         self.done = 0
         self.started = time.monotonic()
@@ -39,7 +48,8 @@ class _Lines:
         now = time.monotonic()
         if now - self.started >= self.delay and now - self.last_line >= 1.0:
             self.last_line = now
-            print(f"{self.description}: {self.done}/{self.total}", file=sys.stderr, flush=True)
+            count = f"{self.done}/{self.total}" if self.total is not None else str(self.done)
+            print(f"{self.description}: {count}", file=sys.stderr, flush=True)
 
 
 class _Silent:
@@ -49,9 +59,17 @@ class _Silent:
 
 @contextlib.contextmanager
 def progress(
-    total: int, description: str, *, enabled: bool = True, delay: float = DELAY_SECONDS
+    total: int | None, description: str, *, enabled: bool = True, delay: float = DELAY_SECONDS
 ) -> Iterator[Any]:
-    """A progress bar over ``total`` steps, shown only once the work has taken ``delay`` s."""
+    """A progress bar over ``total`` steps, shown only once the work has taken ``delay`` s.
+
+    ``total`` may be None when the number of steps is not known (a count without a bar).
+
+    Example:
+        >>> with progress(2, "gradckpt: timing", delay=60) as bar:  # quick: nothing shown
+        ...     bar.update()
+        ...     bar.update()
+    """
     if not enabled:
         yield _Silent()
         return
@@ -62,3 +80,35 @@ def progress(
         return
     with tqdm(total=total, desc=description, delay=delay, leave=False, file=sys.stderr) as bar:
         yield bar
+
+
+def with_progress(
+    items: Iterable[_Item],
+    description: str,
+    *,
+    total: int | None = None,
+    enabled: bool = True,
+    delay: float = DELAY_SECONDS,
+) -> Iterator[_Item]:
+    """Yield ``items``, counting them on a ``progress`` bar (``total``: ``len(items)`` if any).
+
+    Example:
+        >>> sum(with_progress(range(3), "gradckpt: adding"))  # quick: nothing shown
+        3
+    """
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    with progress(total, description, enabled=enabled, delay=delay) as bar:
+        for item in items:
+            yield item
+            bar.update()
+
+
+def stage(description: str, *, enabled: bool = True) -> None:
+    """Say on stderr, at once, that a stage with no steps to count has started.
+
+    Example:
+        >>> stage("profiling", enabled=False)  # else prints "gradckpt: profiling ..." on stderr
+    """
+    if enabled:
+        print(f"gradckpt: {description} ...", file=sys.stderr, flush=True)

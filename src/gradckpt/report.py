@@ -1,6 +1,6 @@
-"""Tables, plots and progress messages: how gradckpt shows a plan and what it measured.
+"""Tables and plots: how gradckpt shows a plan and what it measured.
 
-One place for every piece of output, so that ``str(plan)``, ``gradckpt plan`` and
+One place for every table and plot, so that ``str(plan)``, ``gradckpt plan`` and
 ``gradckpt demo`` say things the same way:
 
 - ``format_table``: rows of text cells in aligned columns (the building block of the others);
@@ -9,9 +9,10 @@ One place for every piece of output, so that ``str(plan)``, ``gradckpt plan`` an
 - ``memory_breakdown_table``: what takes the memory of a step (parameters, gradients, ...);
 - ``plot_frontier``, ``plot_memory_vs_depth``: PNG plots. They need matplotlib (the ``plot``
   extra, ``pip install 'gradckpt[plot]'``); without it they raise ``PlotsUnavailable``, which
-  says so;
-- ``progress``, ``stage``: a tqdm progress bar when tqdm is installed (the ``progress`` extra),
-  else one plain line; on stderr either way, so that stdout holds only the results.
+  says so.
+
+Progress messages on stderr are ``gradckpt.progress``'s (``progress``, ``with_progress``,
+``stage``), shared with ``gradckpt.profile``.
 
 Example:
     >>> print(format_table(["strategy", "peak"], [["none", "275.1 MiB"], ["sqrt", "90.2 MiB"]]))
@@ -22,10 +23,9 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .budget import format_bytes
 from .errors import GradckptError
@@ -42,11 +42,7 @@ __all__ = [
     "memory_breakdown_table",
     "plot_frontier",
     "plot_memory_vs_depth",
-    "progress",
-    "stage",
 ]
-
-_Item = TypeVar("_Item")
 
 
 class PlotsUnavailable(GradckptError):
@@ -294,36 +290,3 @@ def _save(figure: Any, pyplot: Any, path: str | Path) -> Path:
     pyplot.close(figure)  # figures stay alive in pyplot's registry until closed
     return path
 
-
-# --------------------------------------------------------------------------------------------
-# Progress
-# --------------------------------------------------------------------------------------------
-
-
-def progress(
-    items: Iterable[_Item], description: str, total: int | None = None
-) -> Iterator[_Item]:
-    """Yield ``items`` while showing progress on stderr: a tqdm bar, or one plain line.
-
-    Example:
-        >>> sum(progress(range(3), "adding"))  # the bar or line goes to stderr
-        3
-    """
-    if total is None and hasattr(items, "__len__"):
-        total = len(items)  # type: ignore[arg-type]
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        print(f"gradckpt: {description} ...", file=sys.stderr, flush=True)
-        yield from items
-        return
-    yield from tqdm(items, desc=description, total=total, file=sys.stderr, leave=False)
-
-
-def stage(description: str) -> None:
-    """Say on stderr that a stage without steps to count has started.
-
-    Example:
-        >>> stage("profiling")  # prints "gradckpt: profiling ..." on stderr
-    """
-    print(f"gradckpt: {description} ...", file=sys.stderr, flush=True)
