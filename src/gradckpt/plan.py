@@ -22,7 +22,10 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
 - backward, segment: its blocks run forward again (the children plan applies, with the incoming
   gradient x_(e+1) and the parameter gradients made so far alive), costing their forward time,
   then their backward as above; then x_s is released. A segment with a policy keeps its blocks'
-  matmul outputs from the first forward and recomputes only the rest of their forward time;
+  matmul outputs from the first forward and recomputes only the rest; a one-block segment's
+  backward peak and extra time under the policy are what ``profile`` measured for it
+  (``policy_backward_peak_bytes``, ``policy_extra_seconds``), a longer one is walked as above
+  with each block's kept outputs counted from its first forward on (an upper bound);
 - and, whatever the plan, ``other_peak_bytes`` (the step outside the chain).
 
 Example:
@@ -240,7 +243,10 @@ class _Walk:
                 retained += added
                 for j in item.blocks():
                     hidden = 0 if j == item.start else self.blocks[j].input_bytes
-                    peak = max(peak, alive + retained + hidden + self.blocks[j].forward_peak_bytes)
+                    transient = self.blocks[j].forward_peak_bytes
+                    if _measured_policy_peak(self.blocks, item) is not None:
+                        transient = self.blocks[j].policy_transient_bytes()
+                    peak = max(peak, alive + retained + hidden + transient)
             else:
                 block = self.blocks[item]
                 hidden = 0 if input_retained else block.input_bytes
@@ -266,10 +272,17 @@ class _Walk:
                 inner_items = _items(item.children, item.start, item.end)
                 policy_blocks = frozenset(_policy_blocks(item)) if item.policy else frozenset()
                 self.extra_seconds += sum(
-                    self.blocks[j].forward_seconds
-                    - (self.blocks[j].matmul_seconds if j in policy_blocks else 0.0)
+                    self.blocks[j].policy_recompute_seconds() if j in policy_blocks
+                    else self.blocks[j].forward_seconds
                     for j in item.blocks()
                 )
+                measured = _measured_policy_peak(self.blocks, item)
+                if measured is not None:
+                    # Exactly what profile ran: this block alone under the policy.
+                    peak = max(peak, retained + gradient + self.gradients_after[item.end]
+                               + measured)
+                    retained -= added
+                    continue
                 inner_retained, inner_forward_peak, inner_added = self.forward(
                     inner_items, retained, True, gradient + self.gradients_after[item.end],
                     policy_blocks,
@@ -282,6 +295,14 @@ class _Walk:
                            + self.gradients_after[item])
             retained -= added
         return peak, retained
+
+
+def _measured_policy_peak(blocks: list, segment: Segment) -> int | None:
+    """A one-block segment under the policy has its peaks measured by ``profile``; a longer
+    one is walked block by block (from the plain numbers: an upper bound)."""
+    if segment.policy is None or segment.children or segment.start != segment.end:
+        return None
+    return blocks[segment.start].policy_backward_peak_bytes
 
 
 def _policy_blocks(segment: Segment) -> list[int]:

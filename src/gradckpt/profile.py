@@ -34,13 +34,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .blocks import resolve_blocks
 from .caches import caches_off
-from .engine import _detached_like, _first_tensor, _storage_key
+from .engine import _detached_like, _first_tensor, _storage_key, checkpoint
 from .errors import UsageError
 from .measure import infer_device
 from .plan import simulate
 from .policies import is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
 from .progress import progress as show_progress
+from .solvers.optimal import POLICY
 
 __all__ = ["profile", "run_model", "loss_of"]
 
@@ -165,7 +166,6 @@ def _assemble(
     """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them."""
     fixed = memory.start
     retained = sum(block.saved_bytes for block in blocks)  # after the plain forward
-    chain_output_gradient = blocks[-1].output_bytes
     measured = Profile(
         blocks,
         peak_bytes=memory.peak,
@@ -173,15 +173,30 @@ def _assemble(
         step_seconds=step_seconds,
         device=str(device),
         head_bytes=max(0, memory.highest["head"] - fixed - retained),
-        head_gradient_bytes=max(
-            0, memory.chain_backward_start - fixed - retained - chain_output_gradient
-        ),
+        head_gradient_bytes=_head_leftovers(blocks, memory, fixed, retained),
         other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
     )
     predicted = fixed + simulate(measured, [])[0]
+    measured.notes["chain_backward_start_bytes"] = memory.chain_backward_start
     measured.notes["measured_phase_peaks"] = dict(memory.highest)
     measured.notes["plain_prediction_error"] = (predicted - memory.peak) / memory.peak
     return measured
+
+
+def _head_leftovers(
+    blocks: list[BlockProfile], memory: _StepMemory, fixed: int, retained: int
+) -> int:
+    """What stays allocated through the chain's backward besides the chain's own tensors: the
+    head's parameter gradients, and what the part before the chain saved (its dropout mask).
+
+    Read when the chain's backward ends, less the blocks' gradients and the input's gradient:
+    at its start, scalars of the loss's backward still exist that die before any block runs.
+    Without that hook (a chain input that needs no gradient) the start is all there is.
+    """
+    if memory.chain_backward_end:
+        made_by_chain = sum(block.gradient_bytes for block in blocks) + blocks[0].input_bytes
+        return max(0, memory.chain_backward_end - fixed - made_by_chain)
+    return max(0, memory.chain_backward_start - fixed - retained - blocks[-1].output_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +353,7 @@ class _StepMemory:
         self.highest: dict[str, int] = dict.fromkeys(
             ("before", "forward", "head", "backward", "after"), 0
         )
-        self.start = self.peak = self.chain_backward_start = 0
+        self.start = self.peak = self.chain_backward_start = self.chain_backward_end = 0
         self._memory: _Memory | None = None
 
     def measure(self, step: Callable[[], None], *tracked: Any) -> None:
@@ -368,7 +383,7 @@ class _StepMemory:
         hidden = _first_tensor((args, kwargs))
         if hidden is not None and hidden.requires_grad:
             # the gradient of the chain's input ends the chain's backward
-            hidden.register_hook(lambda gradient: self._enter("after"))
+            hidden.register_hook(self._chain_backward_ends)
 
     def _chain_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._enter("head")
@@ -380,6 +395,11 @@ class _StepMemory:
         self._enter("backward")
         assert self._memory is not None
         self.chain_backward_start = self._memory.current()  # the gradient included
+
+    def _chain_backward_ends(self, gradient: torch.Tensor) -> None:
+        self._enter("after")
+        assert self._memory is not None
+        self.chain_backward_end = self._memory.current()  # the input's gradient included
 
 
 def _gradient_bytes(blocks: list[nn.Module]) -> list[int]:
@@ -446,6 +466,9 @@ def _measure_block(
     both_seconds = _median_seconds(forward_and_backward, repeats, device)
     block.zero_grad(set_to_none=True)
     operations = _operations(block, call)
+    policy_forward_peak, policy_backward_peak, policy_seconds = _measure_policy(
+        block, call, repeats, device
+    )
     return BlockProfile(
         name=name,
         input_bytes=_nbytes(hidden),
@@ -463,7 +486,52 @@ def _measure_block(
             name: share * forward_seconds for name, share in operations.time_share.items()
         },
         gradient_bytes=gradient_bytes,
+        policy_forward_peak_bytes=policy_forward_peak,
+        policy_backward_peak_bytes=policy_backward_peak,
+        # Never below zero: a policy run faster than the plain block is timing noise.
+        policy_extra_seconds=max(policy_seconds - both_seconds, 0.0),
     )
+
+
+def _measure_policy(
+    block: nn.Module, call: _BlockCall, repeats: int, device: torch.device
+) -> tuple[int, int, float]:
+    """The block checkpointed on its own under the save-matmuls policy, as ``apply`` runs it:
+    its forward's peak above its input, its backward's peak (the recomputation included) above
+    what exists when that starts, and the seconds of its forward and backward.
+
+    Measured rather than derived: which kept outputs backward saves, which ones the
+    recomputation frees early and what the policy's per-operation dispatch costs all depend on
+    the block's code.
+    """
+    def run_forward() -> torch.Tensor:
+        args, kwargs, _ = call.fresh()
+        return _block_output(checkpoint(block, *args, policy=POLICY, **kwargs))
+
+    # The forward runs inside the tracker too: the recomputation frees kept outputs that
+    # backward does not save, and a tracker only sees the frees of tensors it knows.
+    with _Memory(device, block, *_tensors(call.leaves)) as memory:
+        args, kwargs, _ = call.fresh()
+        start = memory.current()
+        memory.reset_peak()
+        output = _block_output(checkpoint(block, *args, policy=POLICY, **kwargs))
+        forward_peak = memory.peak() - start
+        gradient = torch.ones_like(output)
+        start = memory.current()
+        memory.reset_peak()
+        output.backward(gradient)
+        backward_peak = memory.peak() - start
+        del args, kwargs
+    del output, gradient
+    block.zero_grad(set_to_none=True)
+
+    def forward_and_backward() -> None:
+        out = run_forward()
+        out.backward(torch.ones_like(out))
+
+    seconds = _median_seconds(forward_and_backward, repeats, device)
+    block.zero_grad(set_to_none=True)
+    return forward_peak, backward_peak, seconds
 
 
 class _OpTimer(TorchDispatchMode):

@@ -46,6 +46,13 @@ class BlockProfile:
     - ``gradient_bytes``: the gradients of its trainable parameters. They appear during its
       backward pass (inside ``backward_peak_bytes``) and stay until the step ends, so they weigh
       on the backward of every block before it.
+    - ``policy_forward_peak_bytes``, ``policy_backward_peak_bytes``, ``policy_extra_seconds``:
+      the block checkpointed on its own with ``policy="save-matmuls"``, measured: its forward's
+      peak above its input (the kept outputs included), its backward's peak, recomputation
+      included, above what exists when that starts (its input, the kept outputs, the incoming
+      gradient), and how much longer its forward and backward take than the plain block's.
+      ``None`` (not measured, e.g. a hand-made profile): the cost model bounds them from the
+      plain numbers above.
     """
 
     name: str
@@ -62,6 +69,30 @@ class BlockProfile:
     gradient_bytes: int = 0
     saved_bytes_by_op: dict[str, int] = field(default_factory=dict)
     forward_seconds_by_op: dict[str, float] = field(default_factory=dict)
+    policy_forward_peak_bytes: int | None = None
+    policy_backward_peak_bytes: int | None = None
+    policy_extra_seconds: float | None = None
+
+    def policy_recompute_seconds(self) -> float:
+        """Extra seconds of this block checkpointed under ``"save-matmuls"``: measured, or its
+        forward minus the matmuls it keeps.
+
+        Example:
+            >>> BlockProfile("h.0", 1, 1, 1, True, 3.0, 5.0, matmul_seconds=2.0
+            ...              ).policy_recompute_seconds()
+            1.0
+        """
+        if self.policy_extra_seconds is not None:
+            return self.policy_extra_seconds
+        return self.forward_seconds - self.matmul_seconds
+
+    def policy_transient_bytes(self) -> int:
+        """Checkpointed alone under ``"save-matmuls"``: the most its forward holds above its
+        input and its kept outputs. Unmeasured: ``forward_peak_bytes``, which counts the kept
+        outputs a second time (an upper bound)."""
+        if self.policy_forward_peak_bytes is None:
+            return self.forward_peak_bytes
+        return max(self.policy_forward_peak_bytes - self.matmul_bytes, 0)
 
 
 @dataclass
@@ -139,6 +170,10 @@ def _inconsistency(block: BlockProfile) -> str | None:
                  "backward_peak_bytes", "matmul_bytes", "forward_seconds", "backward_seconds",
                  "matmul_seconds", "gradient_bytes"):
         if getattr(block, name) < 0:
+            return f"{name} is negative ({getattr(block, name)})"
+    for name in ("policy_forward_peak_bytes", "policy_backward_peak_bytes",
+                 "policy_extra_seconds"):
+        if (getattr(block, name) or 0) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     if block.input_saved and block.saved_bytes < block.input_bytes:
         return (f"saved_bytes ({block.saved_bytes}) is below input_bytes ({block.input_bytes}) "

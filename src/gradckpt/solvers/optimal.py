@@ -3,8 +3,10 @@
 The search space is every plan ``gradckpt.plan.simulate`` evaluates and ``gradckpt.apply`` can
 install: any blocks kept, any runs of blocks checkpointed as segments, segments nested inside
 segments to any depth (each child a proper sub-range of its parent: a child spanning its whole
-parent only repeats the same recomputation), and segments without children with or without
-``policy="save-matmuls"``. The answer is the plan of least predicted extra time whose predicted
+parent only repeats the same recomputation), and one-block segments without children with
+or without ``policy="save-matmuls"`` (``profile`` measures each block run that way, so those
+predictions are measured ones; a longer segment under the policy could only be bounded). The
+answer is the plan of least predicted extra time whose predicted
 peak (``fixed_bytes`` + ``simulate``'s chain peak) fits the budget.
 
 How: the "rotor" dynamic program of Beaumont et al. ("Optimal checkpointing for heterogeneous
@@ -15,7 +17,7 @@ rest fits in ``m - a``. For every run ``s..e`` (at the top level, or inside a se
 ``e`` whose incoming gradient stays alive, right at the segment's retained input or after it)
 and every memory level ``m``, the table holds the least extra time: block ``s`` kept, then the
 rest in ``m - saved``; or a segment ``s..j`` (its forward time, plus its recomputation solved as
-a run inside it, plus the rest) in ``m - input``; or a leaf segment under the policy.
+a run inside it, plus the rest) in ``m - input``; or block ``s`` alone under the policy.
 
 Memory is counted in units (``memory_unit_bytes``): 1 byte when the room left for the chain is
 at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so the tables stay
@@ -161,6 +163,7 @@ class _SegmentCosts:
     matmul_bytes: list[int]  # what the policy keeps from the first forward
     policy_seconds: list[float]  # its recomputation under the policy
     policy_peak: list[int]  # its recomputation's peak under the policy, above what it keeps
+    policy_transient: list[int]  # its first forward's peak under the policy, above the same
 
 
 class _Chain:
@@ -205,7 +208,7 @@ class _Chain:
         """Costs of the segments starting at s (computed once, in O(n))."""
         if s in self._segments:
             return self._segments[s]
-        costs = _SegmentCosts([], [], [], [], [])
+        costs = _SegmentCosts([], [], [], [], [], [])
         transient, seconds, matmul_bytes, policy_seconds = 0, 0.0, 0, 0.0
         retained = 0  # above the segment's kept input and matmul outputs, while recomputed
         forward_high = backward_high = -_INF
@@ -215,7 +218,7 @@ class _Chain:
             transient = max(transient, hidden + block.forward_peak_bytes)
             seconds += block.forward_seconds
             matmul_bytes += block.matmul_bytes
-            policy_seconds += block.forward_seconds - block.matmul_seconds
+            policy_seconds += block.policy_recompute_seconds()
             # Recomputed under the policy, every block is kept, minus its already kept matmuls.
             forward_high = max(forward_high, retained + hidden + block.forward_peak_bytes)
             added, _ = self.kept(j, input_retained=j == s)
@@ -226,7 +229,13 @@ class _Chain:
             costs.forward_seconds.append(seconds)
             costs.matmul_bytes.append(matmul_bytes)
             costs.policy_seconds.append(policy_seconds)
-            costs.policy_peak.append(int(max(self.alive[j] + forward_high, backward_high)))
+            policy_peak = max(self.alive[j] + forward_high, backward_high)
+            policy_transient = transient
+            if j == s and block.policy_backward_peak_bytes is not None:  # measured (simulate)
+                policy_peak = self.alive[j] + block.policy_backward_peak_bytes
+                policy_transient = block.policy_transient_bytes()
+            costs.policy_peak.append(int(policy_peak))
+            costs.policy_transient.append(policy_transient)
         self._segments[s] = costs
         return costs
 
@@ -323,6 +332,9 @@ class _TimeTables:
                 self._units_tensor(torch.tensor(costs.policy_peak)),
             )
             policy_shifts = [self.units(nbytes) for nbytes in costs.matmul_bytes]
+            policy_cuts = self._cut_rows(self._units_tensor(
+                torch.tensor(costs.policy_transient)[:, None] + self.alive[None, s:]
+            ))
         at_input_rows = at_input.unbind(0)
         for j in range(s, n):
             k = j - s
@@ -339,11 +351,11 @@ class _TimeTables:
             options = rest + (at_input_rows[k] + costs.forward_seconds[k])
             if needs_cut:
                 options[1:].add_(self._cuts.index_select(0, plain_cuts[k, k + 1:]))
-            if chain.policies and policy_shifts[k] < levels:
+            if chain.policies and k == 0 and policy_shifts[k] < levels:
                 under_policy = rest + policy_seconds[k]
-                self._fit_empty_rests(under_policy, j, costs.transient[k])
-                if needs_cut:
-                    under_policy[1:].add_(self._cuts.index_select(0, plain_cuts[k, k + 1:]))
+                self._fit_empty_rests(under_policy, j, costs.policy_transient[k])
+                if costs.policy_transient[k] > rest_floor:
+                    under_policy[1:].add_(self._cuts.index_select(0, policy_cuts[k, k + 1:]))
                 shift = policy_shifts[k]
                 torch.minimum(options[:, shift:], under_policy[:, : levels - shift],
                               out=options[:, shift:])
@@ -400,8 +412,8 @@ class _TimeTables:
                            + lookup(self.after, j + 1, column, inner))
                 options.append((seconds, 1, Segment(s, j), inner))
             policy_level = inner - self.units(costs.matmul_bytes[k])
-            if chain.policies and policy_level >= self.units(
-                max(chain.alive[column] + costs.transient[k], costs.policy_peak[k])
+            if chain.policies and j == s and policy_level >= self.units(
+                max(chain.alive[column] + costs.policy_transient[k], costs.policy_peak[k])
             ):
                 seconds = costs.policy_seconds[k] + lookup(self.after, j + 1, column, policy_level)
                 options.append((seconds, 2, Segment(s, j, policy=POLICY), policy_level))
@@ -455,9 +467,9 @@ class _LowestPeak:
                 rest_peak = after[j + 1][c][0]
                 plain = max(alive[c] + costs.transient[k], inner_peak, rest_peak)
                 option = (plain, ("segment", j))
-                if chain.policies:
+                if chain.policies and k == 0:
                     policy = costs.matmul_bytes[k] + max(
-                        alive[c] + costs.transient[k], costs.policy_peak[k], rest_peak
+                        alive[c] + costs.policy_transient[k], costs.policy_peak[k], rest_peak
                     )
                     if policy < plain:
                         option = (policy, ("policy", j))
