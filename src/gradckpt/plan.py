@@ -117,12 +117,6 @@ class Plan:
             raise UsageError(f"not a gradckpt plan (JSON from Plan.to_json()): {error}") from None
 
 
-def _walk(segments: list[Segment], depth: int):
-    for segment in segments:
-        yield segment, depth
-        yield from _walk(segment.children, depth + 1)
-
-
 def _segment_from_dict(data: dict[str, Any]) -> Segment:
     children = [_segment_from_dict(child) for child in data.get("children", [])]
     return Segment(data["start"], data["end"], children, data.get("policy"))
