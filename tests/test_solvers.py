@@ -394,7 +394,7 @@ def test_inconsistent_profiles_are_refused(overrides: dict, field: str) -> None:
 
 
 def test_optimal_solves_a_100_block_chain() -> None:
-    # Memory in units of 1/490 of the room (1 byte below 490 bytes): the plan fits, is never
+    # Memory in units of 1/1176 of the room (1 byte below 1176 bytes): the plan fits, is never
     # slower than Chen's greedy, and no slower than the sqrt plan at that plan's own peak.
     profile = random_profile(42, 100)
     low = minimum_peak_bytes(profile)

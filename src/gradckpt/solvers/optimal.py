@@ -20,8 +20,8 @@ rest in ``m - saved``; or a segment ``s..j`` (its forward time, plus its recompu
 a run inside it, plus the rest) in ``m - input``; or block ``s`` alone under the policy.
 
 Memory is counted in units (``memory_unit_bytes``): 1 byte when the room left for the chain is
-at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so the tables stay
-near 40 MB: 490 for 100 blocks), else the room over that many levels. Every size is rounded *up*
+at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so each table stays
+near 48 MB of float32: 1,176 for 100 blocks), else the room over that many levels. Every size is rounded *up*
 to whole units, so a plan the table says fits does fit (and ``simulate`` checks it once more).
 With 1-byte units the answer is the exact optimum, which the tests check against brute force;
 with larger ones it is at least as fast as the exact optimum for a room smaller by (2n + 1)
@@ -30,7 +30,7 @@ fit by a hair, two exactly-checked candidates join the table's answer: Chen's gr
 (``chen-greedy``: every-layer, every k-th block on uniform chains, ...) and, near the lowest
 reachable peak, the plan of least peak from an exact DP in bytes. So ``optimal`` is never slower
 than ``chen-greedy``, and a budget of exactly ``minimum_peak_bytes`` always works. Measured on
-2 CPU cores: a 100-block chain solves in 0.25-0.5 s (``python bench/solvers.py``).
+2 CPU cores: a 100-block chain solves in about half a second (``python bench/solvers.py``).
 
 Example:
     >>> from gradckpt.profile_types import BlockProfile, Profile
@@ -44,7 +44,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +64,12 @@ POLICY = "save-matmuls"
 # ((n + 1)^2 runs x levels) so long chains stay fast and small; never fewer than _MIN_LEVELS.
 _MAX_LEVELS = 2000
 _MIN_LEVELS = 100
-_TABLE_CELLS = 5_000_000
+_TABLE_CELLS = 12_000_000
 
 _INF = math.inf
-_DTYPE = torch.float64
+# float32: seconds need no more than 7 digits (simulate re-predicts the chosen plan in float64),
+# and half the bytes buy twice the levels: finer rounding for the same memory and time.
+_DTYPE = torch.float32
 
 
 def memory_unit_bytes(profile: Profile, room_bytes: int) -> int:
@@ -79,8 +83,8 @@ def memory_unit_bytes(profile: Profile, room_bytes: int) -> int:
         >>> from gradckpt.profile_types import BlockProfile, Profile
         >>> blocks = [BlockProfile(f"h.{i}", 10**6, 10**6, 5 * 10**6, True, 1.0, 2.0)
         ...           for i in range(100)]
-        >>> memory_unit_bytes(Profile(blocks, 0, 0, 1.0), 50 * 10**6)  # 490 levels of ~102 KB
-        102041
+        >>> memory_unit_bytes(Profile(blocks, 0, 0, 1.0), 50 * 10**6)  # 1,176 levels of ~43 KB
+        42518
     """
     return max(1, -(-room_bytes // levels_for(len(profile.blocks))))
 
@@ -90,7 +94,7 @@ def levels_for(blocks: int) -> int:
 
     Example:
         >>> levels_for(8), levels_for(100), levels_for(1000)
-        (2000, 490, 100)
+        (2000, 1176, 100)
     """
     return max(_MIN_LEVELS, min(_MAX_LEVELS, _TABLE_CELLS // (blocks + 1) ** 2))
 
@@ -115,7 +119,8 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
     candidates = []
     tables = None
     if room_bytes >= 0:
-        tables = _TimeTables(profile, memory_unit_bytes(profile, room_bytes), room_bytes)
+        with _one_thread():
+            tables = _TimeTables(profile, memory_unit_bytes(profile, room_bytes), room_bytes)
         candidates.append(tables.best_plan())
         if tables.unit > 1:
             # Rounding can hide a plan that fits by a few units: Chen's greedy candidates
@@ -135,6 +140,19 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
         # nothing fits: the plan of lowest peak, for solve()'s BudgetError
         return lowest if lowest is not None else _LowestPeak(profile).plan()
     return min(fitting, key=lambda entry: entry[:2])[2]
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The tables' operations on one thread. Each handles ~10^5 numbers, ~20 us on one core;
+    with two threads on a 2-core machine that is busy (a training job, a benchmark) every
+    parallel region waits for a descheduled thread: 7.6 ms each, and 50 blocks took 19 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def minimum_peak_bytes(profile: Profile) -> int:
