@@ -21,8 +21,9 @@ a run inside it, plus the rest) in ``m - input``; or block ``s`` alone under the
 
 Memory is counted in units (``memory_unit_bytes``): 1 byte when the room left for the chain is
 at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so each table stays
-near 48 MB of float32: 1,176 for 100 blocks), else the room over that many levels. Every size is rounded *up*
-to whole units, so a plan the table says fits does fit (and ``simulate`` checks it once more).
+near 48 MB of float32: 1,176 for 100 blocks), else the room over that many levels. Every size
+is rounded *up* to whole units, so a plan the table says fits does fit (and ``simulate`` checks
+it once more).
 With 1-byte units the answer is the exact optimum, which the tests check against brute force;
 with larger ones it is at least as fast as the exact optimum for a room smaller by (2n + 1)
 units (a peak adds up at most 2n + 1 rounded sizes). Because rounding can hide plans that
