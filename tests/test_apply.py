@@ -89,6 +89,12 @@ def test_policy_with_children_is_refused() -> None:
         gradckpt.apply(tiny_gpt(), plan)
 
 
+def test_policy_inside_another_segment_is_refused() -> None:
+    plan = plan_with([Segment(0, 3, [Segment(0, 0, policy="save-matmuls")])])
+    with pytest.raises(UsageError, match="nested in segment 0-3; put policies on top-level"):
+        gradckpt.apply(tiny_gpt(), plan)
+
+
 def test_apply_needs_a_plan() -> None:
     with pytest.raises(UsageError, match="needs a gradckpt.Plan"):
         gradckpt.apply(tiny_gpt(), "sqrt")

@@ -62,6 +62,16 @@ def apply(model: nn.Module, plan: Plan) -> None:
                 f"segment {segment.start}-{segment.end} has both a policy and nested segments; "
                 "the engine supports a policy only on segments without children"
             )
+    for parent in flat:
+        for child in parent.children:
+            if child.policy is not None:
+                # Its kept outputs would live from the parent's first forward on: memory no
+                # prediction counts.
+                raise UsageError(
+                    f"segment {child.start}-{child.end} has a policy but is nested in segment "
+                    f"{parent.start}-{parent.end}; put policies on top-level segments only "
+                    "(inside another segment the kept outputs live through the whole step)"
+                )
     disable(model)
     if not flat:
         return  # plan "none": nothing to install, nothing to pay

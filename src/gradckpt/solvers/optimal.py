@@ -3,11 +3,11 @@
 The search space is every plan ``gradckpt.plan.simulate`` evaluates and ``gradckpt.apply`` can
 install: any blocks kept, any runs of blocks checkpointed as segments, segments nested inside
 segments to any depth (each child a proper sub-range of its parent: a child spanning its whole
-parent only repeats the same recomputation), and one-block segments without children with
-or without ``policy="save-matmuls"`` (``profile`` measures each block run that way, so those
-predictions are measured ones; a longer segment under the policy could only be bounded). The
-answer is the plan of least predicted extra time whose predicted
-peak (``fixed_bytes`` + ``simulate``'s chain peak) fits the budget.
+parent only repeats the same recomputation), and top-level one-block segments with
+``policy="save-matmuls"`` (``profile`` measures each block run that way, so those predictions
+are measured ones; a longer segment under the policy could only be bounded, and ``apply``
+refuses a policy on a nested segment). The answer is the plan of least predicted extra time
+whose predicted peak (``fixed_bytes`` + ``simulate``'s chain peak) fits the budget.
 
 How: the "rotor" dynamic program of Beaumont et al. ("Optimal checkpointing for heterogeneous
 chains", 2019). ``simulate`` walks a run of items (kept blocks and segments) forward, then
@@ -372,6 +372,10 @@ class _TimeTables:
                 options[1:].add_(self._cuts.index_select(0, plain_cuts[k, k + 1:]))
             if chain.policies and k == 0 and policy_shifts[k] < levels:
                 under_policy = rest + policy_seconds[k]
+                # Top-level runs only (the last row: column n). Inside another segment the
+                # engine keeps a policy's outputs from that segment's first forward on, which
+                # no prediction counts.
+                under_policy[:-1] = _INF
                 self._fit_empty_rests(under_policy, j, costs.policy_transient[k])
                 if costs.policy_transient[k] > rest_floor:
                     under_policy[1:].add_(self._cuts.index_select(0, policy_cuts[k, k + 1:]))
@@ -431,7 +435,7 @@ class _TimeTables:
                            + lookup(self.after, j + 1, column, inner))
                 options.append((seconds, 1, Segment(s, j), inner))
             policy_level = inner - self.units(costs.matmul_bytes[k])
-            if chain.policies and j == s and policy_level >= self.units(
+            if chain.policies and j == s and column == chain.n and policy_level >= self.units(
                 max(chain.alive[column] + costs.policy_transient[k], costs.policy_peak[k])
             ):
                 seconds = costs.policy_seconds[k] + lookup(self.after, j + 1, column, policy_level)
@@ -486,7 +490,7 @@ class _LowestPeak:
                 rest_peak = after[j + 1][c][0]
                 plain = max(alive[c] + costs.transient[k], inner_peak, rest_peak)
                 option = (plain, ("segment", j))
-                if chain.policies and k == 0:
+                if chain.policies and k == 0 and c == n:
                     policy = costs.matmul_bytes[k] + max(
                         alive[c] + costs.policy_transient[k], costs.policy_peak[k], rest_peak
                     )
