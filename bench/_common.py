@@ -19,6 +19,7 @@ Nothing here imports gradckpt: the scripts measure the library from the outside.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -263,6 +264,75 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+# Help for the flags ``add_run_arguments`` makes from a script's FULL/QUICK keys.
+RUN_ARGUMENT_HELP = {
+    "layers": "transformer blocks",
+    "batch": "batch size",
+    "seq": "sequence length",
+    "embd": "model width (n_embd)",
+    "heads": "attention heads",
+    "rounds": "timed rounds",
+    "warmup": "untimed rounds before them",
+    "patience": "seconds to wait for a quiet machine before giving up",
+}
+NON_NEGATIVE = ("warmup", "patience")  # every other sized flag must be positive
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser,
+    full: dict[str, float],
+    quick: dict[str, float],
+    help_texts: dict[str, str] | None = None,
+) -> None:
+    """The flags every benchmark script has: one per key of ``full`` (sizes, rounds, ...),
+    defaulting to ``full``'s value or, with ``--quick``, to ``quick``'s; ``--seed``,
+    ``--max-foreign-load`` and ``--quick``. ``parse_run_arguments`` fills in the defaults.
+
+    ``help_texts`` overrides ``RUN_ARGUMENT_HELP`` per key; each help ends with
+    "[full / quick]".
+    """
+    help_texts = {**RUN_ARGUMENT_HELP, **(help_texts or {})}
+    for key, value in full.items():
+        parser.add_argument(
+            f"--{key}",
+            type=type(value),
+            default=None,
+            help=f"{help_texts[key]} [{value} / {quick[key]}]",
+        )
+    parser.add_argument("--seed", type=int, default=0, help="[0]")
+    parser.add_argument(
+        "--max-foreign-load",
+        type=float,
+        default=0.1,
+        metavar="CORES",
+        help="wait before, and rerun, rounds in which other processes use more CPU than this "
+        "(inf: never) [0.1]",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model, few rounds: a smoke test of seconds"
+    )
+
+
+def parse_run_arguments(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    full: dict[str, float],
+    quick: dict[str, float],
+) -> argparse.Namespace:
+    """Parse ``argv``; sized flags not given take ``full``'s or (``--quick``) ``quick``'s value."""
+    args = parser.parse_args(argv)
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    positive = [key for key in full if key not in NON_NEGATIVE]
+    if any(getattr(args, key) < 1 for key in positive):
+        parser.error(f"{', '.join('--' + key for key in positive)} must be positive")
+    non_negative = [key for key in NON_NEGATIVE if key in full]
+    if any(getattr(args, key) < 0 for key in non_negative):
+        parser.error(f"{' and '.join('--' + key for key in non_negative)} cannot be negative")
+    return args
 
 
 def describe_machine(device: torch.device) -> str:

@@ -197,21 +197,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="gradckpt vs torch.utils.checkpoint: per-layer checkpointing of TinyGPT. "
         "Defaults in [brackets]: full run / --quick.",
     )
-
-    def sized(flag: str, help_text: str, kind: type = int) -> None:
-        key = flag.removeprefix("--")
-        parser.add_argument(
-            flag, type=kind, default=None, help=f"{help_text} [{FULL[key]} / {QUICK[key]}]"
-        )
-
-    sized("--layers", "transformer blocks")
-    sized("--batch", "batch size")
-    sized("--seq", "sequence length")
-    sized("--embd", "model width (n_embd)")
-    sized("--heads", "attention heads")
-    sized("--rounds", "timed rounds, each running A, B and C once")
-    sized("--warmup", "untimed rounds before them")
-    sized("--patience", "seconds to wait for a quiet machine before giving up", float)
+    _common.add_run_arguments(
+        parser, FULL, QUICK, {"rounds": "timed rounds, each running A, B and C once"}
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto [auto]")
     parser.add_argument(
         "--form",
@@ -219,30 +207,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="call",
         help="how A checkpoints: gradckpt.checkpoint(block, x) or checkpoint_module(block) [call]",
     )
-    parser.add_argument("--seed", type=int, default=0, help="[0]")
-    parser.add_argument(
-        "--max-foreign-load",
-        type=float,
-        default=0.1,
-        metavar="CORES",
-        help="wait before, and rerun, rounds in which other processes use more CPU than this "
-        "(inf: never) [0.1]",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny model, few rounds: a smoke test in seconds"
-    )
-    args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = _common.parse_run_arguments(parser, argv, FULL, QUICK)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU")
-    if min(args.layers, args.batch, args.seq, args.embd, args.heads, args.rounds) < 1:
-        parser.error("sizes and --rounds must be positive")
-    if args.warmup < 0 or args.patience < 0:
-        parser.error("--warmup and --patience cannot be negative")
     return args
 
 
