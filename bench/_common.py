@@ -2,17 +2,32 @@
 
 The rules they implement are DESIGN.md's "Measuring" section:
 
-- Time is quoted as ratios measured side by side in one process: every contender gets warm-up
-  steps, then the contenders run in turn, round after round, and each round gives one ratio per
-  pair. The median over rounds is the result; min and max show the spread. Within a round the
-  order rotates (A B C, B C A, C A B, ...) so that no contender always runs right after the same
-  neighbour (a step that follows a memory-hungry step can pay for the allocator's page faults).
+- Time is quoted as ratios measured side by side in one process, round after round; each round
+  gives one ratio per contender. The median over rounds is the result; quartiles, min and max
+  show the spread. Two schemes:
+
+  ``alternate_timings`` (few contenders): warm-up rounds, then one step of each contender per
+  round, the order rotating (A B C, B C A, C A B, ...).
+
+  ``bracketed_timings`` (many contenders, ratios to one reference): per round, each contender
+  runs a block of back-to-back steps between two blocks of the reference, the contenders in a
+  seeded random order: reference, c3, reference, c1, reference, c2, reference. The first steps
+  of every block are untimed, so that each timed step follows a step of its own contender, as
+  in a training loop: a step's time depends on the step before it (on a 2-core CPU, a plain
+  step right after one of torch's selective checkpointing took 10-15% longer than after another
+  plain step). The ratio compares the contender's block with the mean of the two reference
+  blocks around it, which cancels a machine that speeds up or slows down over seconds (these
+  machines drift by 10-20% over a few seconds).
 - Memory is a measured peak, never a guess: ``torch.cuda.max_memory_allocated()`` on CUDA,
   ``MemTracker``'s "peak" snapshot ("Total") on CPU. MemTracker slows every operation down, so
   memory is measured in its own runs, never while timing.
 - Two processes measuring at once on a 2-core machine make every timing meaningless, so
-  ``ForeignLoad`` measures how much CPU the rest of the machine used during each round; a round
-  in which other processes were busy is discarded and run again.
+  ``ForeignLoad`` measures how much CPU the rest of the machine used during each round (each
+  block, for ``bracketed_timings``); what ran while other processes were busy is discarded and
+  run again.
+- Python's garbage collector: ``bracketed_timings`` collects before each block, with the objects
+  made before timing frozen (``gc.freeze``), so that a full collection (0.2 s with torch loaded)
+  never lands inside a timed step.
 
 Nothing here imports gradckpt: the scripts measure the library from the outside.
 """
@@ -20,7 +35,9 @@ Nothing here imports gradckpt: the scripts measure the library from the outside.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -125,6 +142,146 @@ def alternate_timings(
     return timings
 
 
+@dataclass(frozen=True)
+class Block:
+    """Back-to-back steps of one contender: untimed warm-up steps, then the timed ones."""
+
+    name: str
+    seconds: list[float]  # the timed steps
+    foreign_cores: float | None  # CPU other processes used meanwhile (see ForeignLoad)
+    disturbed: bool  # foreign_cores above the threshold: the block is not used
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+
+@dataclass(frozen=True)
+class BracketedRound:
+    """One round of ``bracketed_timings``: reference, c, reference, c', ..., reference."""
+
+    blocks: list[Block]
+
+    def ratios(self) -> dict[str, float | None]:
+        """Each contender's block time / the mean of the two reference blocks around it.
+
+        None where any of the three blocks was disturbed.
+        """
+        ratios: dict[str, float | None] = {}
+        for index in range(1, len(self.blocks) - 1, 2):
+            before, block, after = self.blocks[index - 1 : index + 2]
+            if before.disturbed or block.disturbed or after.disturbed:
+                ratios[block.name] = None
+            else:
+                reference = (before.median_seconds + after.median_seconds) / 2
+                ratios[block.name] = block.median_seconds / reference
+        return ratios
+
+
+@dataclass
+class BracketedTimings:
+    """Every round ``bracketed_timings`` ran, and the ratios that count."""
+
+    reference: str
+    names: list[str]  # the contenders, in the order given (not the order they ran in)
+    wanted: int  # how many undisturbed ratios per contender were asked for
+    rounds: list[BracketedRound]
+
+    def ratios_by_round(self, name: str) -> dict[int, float]:
+        """Contender ``name``'s undisturbed ratios to the reference, by round index."""
+        found = {}
+        for index, measured in enumerate(self.rounds):
+            ratio = measured.ratios()[name]
+            if ratio is not None:
+                found[index] = ratio
+        return found
+
+    def ratios(self, name: str) -> list[float]:
+        """Contender ``name``'s undisturbed ratios to the reference, round after round."""
+        return list(self.ratios_by_round(name).values())
+
+    def seconds(self, name: str) -> list[float]:
+        """The undisturbed block times (median of a block's timed steps) of ``name``."""
+        return [
+            block.median_seconds
+            for measured in self.rounds
+            for block in measured.blocks
+            if block.name == name and not block.disturbed
+        ]
+
+    @property
+    def reliable(self) -> bool:
+        """Whether every contender reached the wanted number of undisturbed ratios."""
+        return all(len(self.ratios_by_round(name)) >= self.wanted for name in self.names)
+
+
+def bracketed_timings(
+    steps: dict[str, Callable[[], Any]],
+    reference: str,
+    rounds: int,
+    warmup_steps: int,
+    timed_steps: int,
+    device: torch.device,
+    seed: int = 0,
+    on_round: Callable[[int, BracketedRound], None] | None = None,
+    max_foreign_cores: float = 0.1,
+    patience_seconds: float = 900.0,
+    log: Callable[[str], None] = print,
+) -> BracketedTimings:
+    """Time every step of ``steps`` against ``steps[reference]``, each between two blocks of it.
+
+    A round runs a block of the reference, then for each other contender, in an order shuffled
+    by ``random.Random(seed)`` afresh each round, a block of it and another of the reference.
+    A block is ``warmup_steps`` untimed steps, then ``timed_steps`` timed ones (its time: their
+    median). Rounds go on until every contender has ``rounds`` undisturbed ratios (a block during
+    which other processes used more than ``max_foreign_cores`` cores is disturbed, and so are the
+    ratios it enters); before each round we wait, asleep, for a quiet machine. After
+    ``patience_seconds`` we stop waiting, and stop once ``rounds`` rounds ran
+    (``BracketedTimings.reliable`` then says whether enough counted). ``on_round(r, round)`` is
+    called after each round.
+    """
+    names = [name for name in steps if name != reference]
+    rng = random.Random(seed)
+    deadline = time.monotonic() + patience_seconds
+    timings = BracketedTimings(reference, names, rounds, [])
+
+    def block(name: str) -> Block:
+        gc.collect()  # cheap (the rest is frozen); no collection left pending for the steps
+        load = ForeignLoad()
+        load.start()
+        for _ in range(warmup_steps):
+            steps[name]()
+        synchronize(device)
+        seconds = []
+        for _ in range(timed_steps):
+            start = time.perf_counter()
+            steps[name]()
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        foreign_cores = load.stop()
+        disturbed = foreign_cores is not None and foreign_cores > max_foreign_cores
+        return Block(name, seconds, foreign_cores, disturbed)
+
+    gc.collect()
+    gc.freeze()  # what exists now is never scanned again: collections between blocks stay cheap
+    try:
+        while not timings.reliable:
+            patient = time.monotonic() < deadline
+            if not patient and len(timings.rounds) >= rounds:
+                break
+            if patient:
+                wait_for_quiet(max_foreign_cores, deadline, log)
+            blocks = [block(reference)]
+            for name in rng.sample(names, len(names)):
+                blocks += [block(name), block(reference)]
+            timings.rounds.append(BracketedRound(blocks))
+            if on_round is not None:
+                on_round(len(timings.rounds) - 1, timings.rounds[-1])
+    finally:
+        gc.unfreeze()
+    return timings
+
+
 def wait_for_quiet(
     max_foreign_cores: float, deadline: float, log: Callable[[str], None] = print
 ) -> bool:
@@ -173,7 +330,13 @@ def ratio_stats(numerator: Sequence[float], denominator: Sequence[float]) -> Rat
     """Median, quartiles, min and max of the round-by-round ratios of two lists of times."""
     if len(numerator) != len(denominator) or not numerator:
         raise ValueError("need two equally long, non-empty lists of times")
-    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    return summarize_ratios([a / b for a, b in zip(numerator, denominator, strict=True)])
+
+
+def summarize_ratios(ratios: Sequence[float]) -> RatioStats:
+    """Median, quartiles, min and max of per-round ratios."""
+    if not ratios:
+        raise ValueError("no ratios to summarize")
     if len(ratios) > 1:
         lower_quartile, _, upper_quartile = statistics.quantiles(ratios, n=4, method="inclusive")
     else:
