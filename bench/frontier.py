@@ -19,7 +19,7 @@ batch and seed), measured side by side in one run:
       gradckpt @ <anchor>   ``gradckpt.solve(gradckpt.profile(model, sample), P, "optimal")``
                             with P = the anchor's measured peak, installed with ``gradckpt.apply``
 
-Run it (about 2.5 minutes on a quiet 2-core CPU; ``--quick`` is a smoke test of seconds):
+Run it (about 2 minutes on a quiet 2-core CPU; ``--quick`` is a smoke test of seconds):
 
     .venv/bin/python bench/frontier.py
     .venv/bin/python bench/frontier.py --quick
@@ -38,10 +38,12 @@ time over the mean of the two none blocks around it. Why: a step's time depends 
 before it (here a plain step right after one of torch's selective checkpointing took 10-15%
 longer than after another plain step), so every timed step follows a step of its own kind, as in
 a training loop; and these machines speed up and slow down by 10-20% over seconds, so each
-contender is compared with "none" run right before and after it. (The scheme used before, one
+contender is compared with "none" run right before and after it. The scheme used before (one
 step of each contender per round against the round's single "none" step, in a fixed rotating
-order, put a do-nothing contender anywhere from 0.71 to 1.25 in a round, its median at 0.95 in
-one run and 1.00 in another; this one put it within 0.96-1.08.)
+order, 15 rounds) put the do-nothing contender's middle half of rounds at 0.91-1.07 (min-max
+0.71-1.25); this one, in three runs, at 0.99-1.02, 0.96-1.04 and 1.02-1.09. Its median over a
+few rounds still moves by several percent from run to run (1.02, 1.02, 1.08 here; 0.95 and 1.00
+before), which is why the noise floor below is measured and printed in every run.
 
 How to read the output:
 
@@ -594,8 +596,8 @@ def verdict(rows: list[FrontierRow], checks: dict[str, PredictionCheck], floor: 
 # Arguments
 # --------------------------------------------------------------------------------------------
 
-# Sizes and repetitions: the full run (a plain step ~0.45 s on 2 CPU cores, up to 10 contenders,
-# a round ~18 s, the script about 2.5 minutes) and --quick (a smoke test of seconds). Explicit
+# Sizes and repetitions: the full run (a plain step ~0.4 s on 2 CPU cores, up to 10 contenders,
+# a round ~16 s, the script about 2 minutes) and --quick (a smoke test of seconds). Explicit
 # flags win over both.
 FULL = dict(
     layers=8, batch=8, seq=128, embd=256, heads=4, rounds=6, warmup=1, steps=1, patience=300.0
