@@ -59,7 +59,17 @@ def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
         matmul_seconds=forward_seconds * rng.randint(0, 4) / 4 if matmuls else 0.0,
         gradient_bytes=rng.randint(0, 15),
         **(measured_policy(rng, matmul_bytes) if matmuls and rng.random() < 0.5 else {}),
+        **(measured_checkpointed(rng) if rng.random() < 0.5 else {}),
     )
+
+
+def measured_checkpointed(rng: random.Random) -> dict:
+    """What profile measures of a block checkpointed alone: a forward that saves nothing, and
+    a backward whose recomputation may peak above or below the plain walk's."""
+    return {
+        "checkpointed_forward_peak_bytes": rng.randint(0, 20),
+        "checkpointed_backward_peak_bytes": rng.randint(0, 60),
+    }
 
 
 def measured_policy(rng: random.Random, matmul_bytes: int) -> dict:

@@ -13,7 +13,9 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
 
 - forward, block kept: it adds s_i to what is retained (its input included if its graph keeps
   that); while it runs, memory peaks at retained + its input + ``forward_peak_bytes``;
-- forward, segment s..e: it retains x_s only; its blocks run with nothing else retained;
+- forward, segment s..e: it retains x_s only; its blocks run with nothing else retained,
+  each peaking at ``segment_forward_peak_bytes()`` above its input (measured checkpointed, or
+  the plain forward's peak);
 - the head (output layer, loss, their backward): peak at what the chain retains + ``head_bytes``;
 - backward, block kept: peak at retained + gradient x_(i+1) + ``backward_peak_bytes`` + the
   parameter gradients made before it (``head_gradient_bytes`` and every later block's
@@ -21,9 +23,11 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   is released;
 - backward, segment: its blocks run forward again (the children plan applies, with the incoming
   gradient x_(e+1) and the parameter gradients made so far alive), costing their forward time,
-  then their backward as above; then x_s is released. A segment with a policy keeps its blocks'
-  matmul outputs from the first forward and recomputes only the rest; a one-block segment's
-  backward peak and extra time under the policy are what ``profile`` measured for it
+  then their backward as above; then x_s is released. A one-block segment's backward peak is
+  what ``profile`` measured for that block checkpointed alone
+  (``checkpointed_backward_peak_bytes``), where measured. A segment with a policy keeps its
+  blocks' matmul outputs from the first forward and recomputes only the rest; a one-block
+  segment's backward peak and extra time under the policy are measured too
   (``policy_backward_peak_bytes``, ``policy_extra_seconds``), a longer one is walked as above
   with each block's kept outputs counted from its first forward on (an upper bound);
 - and, whatever the plan, ``other_peak_bytes`` (the step outside the chain).
@@ -237,10 +241,8 @@ class _Walk:
                 retained += added
                 for j in item.blocks():
                     hidden = 0 if j == item.start else self.blocks[j].input_bytes
-                    transient = self.blocks[j].forward_peak_bytes
-                    if _measured_policy_peak(self.blocks, item) is not None:
-                        transient = self.blocks[j].policy_transient_bytes()
-                    peak = max(peak, alive + retained + hidden + transient)
+                    peak = max(peak, alive + retained + hidden
+                               + _segment_transient(self.blocks, item, j))
             else:
                 block = self.blocks[item]
                 hidden = 0 if input_retained else block.input_bytes
@@ -270,9 +272,9 @@ class _Walk:
                     else self.blocks[j].forward_seconds
                     for j in item.blocks()
                 )
-                measured = _measured_policy_peak(self.blocks, item)
+                measured = _measured_backward_peak(self.blocks, item)
                 if measured is not None:
-                    # Exactly what profile ran: this block alone under the policy.
+                    # Exactly what profile ran: this block checkpointed alone.
                     peak = max(peak, retained + gradient + self.gradients_after[item.end]
                                + measured)
                     retained -= added
@@ -291,12 +293,25 @@ class _Walk:
         return peak, retained
 
 
-def _measured_policy_peak(blocks: list, segment: Segment) -> int | None:
-    """A one-block segment under the policy has its peaks measured by ``profile``; a longer
-    one is walked block by block (from the plain numbers: an upper bound)."""
-    if segment.policy is None or segment.children or segment.start != segment.end:
+def _segment_transient(blocks: list, segment: Segment, j: int) -> int:
+    """The most block j holds above its input while segment's first forward runs it."""
+    block = blocks[j]
+    if segment.policy is None:
+        return block.segment_forward_peak_bytes()  # saves nothing
+    if _measured_backward_peak(blocks, segment) is not None:
+        return block.policy_transient_bytes()
+    return block.forward_peak_bytes  # a longer policy segment: bounded
+
+
+def _measured_backward_peak(blocks: list, segment: Segment) -> int | None:
+    """A one-block segment's backward peak (recomputation included) is measured by
+    ``profile``, with and without the policy; a longer one is walked block by block."""
+    if segment.children or segment.start != segment.end:
         return None
-    return blocks[segment.start].policy_backward_peak_bytes
+    block = blocks[segment.start]
+    if segment.policy is None:
+        return block.checkpointed_backward_peak_bytes
+    return block.policy_backward_peak_bytes
 
 
 def _policy_blocks(segment: Segment) -> list[int]:

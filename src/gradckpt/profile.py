@@ -466,9 +466,13 @@ def _measure_block(
     both_seconds = _median_seconds(forward_and_backward, repeats, device)
     block.zero_grad(set_to_none=True)
     operations = _operations(block, call)
-    policy_forward_peak, policy_backward_peak, policy_seconds = _measure_policy(
-        block, call, repeats, device
+    checkpointed_forward_peak, checkpointed_backward_peak = _checkpointed_peaks(
+        block, call, device, policy=None
     )
+    policy_forward_peak, policy_backward_peak = _checkpointed_peaks(
+        block, call, device, policy=POLICY
+    )
+    policy_seconds = _checkpointed_seconds(block, call, repeats, device, policy=POLICY)
     return BlockProfile(
         name=name,
         input_bytes=_nbytes(hidden),
@@ -490,31 +494,29 @@ def _measure_block(
         policy_backward_peak_bytes=policy_backward_peak,
         # Never below zero: a policy run faster than the plain block is timing noise.
         policy_extra_seconds=max(policy_seconds - both_seconds, 0.0),
+        checkpointed_forward_peak_bytes=checkpointed_forward_peak,
+        checkpointed_backward_peak_bytes=checkpointed_backward_peak,
     )
 
 
-def _measure_policy(
-    block: nn.Module, call: _BlockCall, repeats: int, device: torch.device
-) -> tuple[int, int, float]:
-    """The block checkpointed on its own under the save-matmuls policy, as ``apply`` runs it:
-    its forward's peak above its input, its backward's peak (the recomputation included) above
-    what exists when that starts, and the seconds of its forward and backward.
+def _checkpointed_peaks(
+    block: nn.Module, call: _BlockCall, device: torch.device, policy: str | None
+) -> tuple[int, int]:
+    """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
+    segment: its forward's peak above its input, and its backward's peak (the recomputation
+    included) above what exists when that starts.
 
-    Measured rather than derived: which kept outputs backward saves, which ones the
-    recomputation frees early and what the policy's per-operation dispatch costs all depend on
-    the block's code.
+    Measured rather than derived: what the recomputation holds and frees early (kept outputs
+    backward does not save, under a policy) depends on the block's code, and a checkpointed
+    forward, which saves nothing, peaks far below the plain one.
     """
-    def run_forward() -> torch.Tensor:
-        args, kwargs, _ = call.fresh()
-        return _block_output(checkpoint(block, *args, policy=POLICY, **kwargs))
-
     # The forward runs inside the tracker too: the recomputation frees kept outputs that
     # backward does not save, and a tracker only sees the frees of tensors it knows.
     with _Memory(device, block, *_tensors(call.leaves)) as memory:
         args, kwargs, _ = call.fresh()
         start = memory.current()
         memory.reset_peak()
-        output = _block_output(checkpoint(block, *args, policy=POLICY, **kwargs))
+        output = _block_output(checkpoint(block, *args, policy=policy, **kwargs))
         forward_peak = memory.peak() - start
         gradient = torch.ones_like(output)
         start = memory.current()
@@ -524,14 +526,23 @@ def _measure_policy(
         del args, kwargs
     del output, gradient
     block.zero_grad(set_to_none=True)
+    return forward_peak, backward_peak
+
+
+def _checkpointed_seconds(
+    block: nn.Module, call: _BlockCall, repeats: int, device: torch.device, policy: str | None
+) -> float:
+    """Seconds of the block's forward and backward, checkpointed on its own under ``policy``
+    (its per-operation dispatch included)."""
 
     def forward_and_backward() -> None:
-        out = run_forward()
+        args, kwargs, _ = call.fresh()
+        out = _block_output(checkpoint(block, *args, policy=policy, **kwargs))
         out.backward(torch.ones_like(out))
 
     seconds = _median_seconds(forward_and_backward, repeats, device)
     block.zero_grad(set_to_none=True)
-    return forward_peak, backward_peak, seconds
+    return seconds
 
 
 class _OpTimer(TorchDispatchMode):

@@ -53,6 +53,11 @@ class BlockProfile:
       gradient), and how much longer its forward and backward take than the plain block's.
       ``None`` (not measured, e.g. a hand-made profile): the cost model bounds them from the
       plain numbers above.
+    - ``checkpointed_forward_peak_bytes``, ``checkpointed_backward_peak_bytes``: the same for
+      the block checkpointed on its own without a policy: its forward's peak above its input
+      (nothing saved: far below ``forward_peak_bytes``), and its backward's peak, the
+      recomputation included, above what exists when that starts (its input and the incoming
+      gradient). ``None``: bounded from the plain numbers.
     """
 
     name: str
@@ -72,6 +77,8 @@ class BlockProfile:
     policy_forward_peak_bytes: int | None = None
     policy_backward_peak_bytes: int | None = None
     policy_extra_seconds: float | None = None
+    checkpointed_forward_peak_bytes: int | None = None
+    checkpointed_backward_peak_bytes: int | None = None
 
     def policy_recompute_seconds(self) -> float:
         """Extra seconds of this block checkpointed under ``"save-matmuls"``: measured, or its
@@ -85,6 +92,20 @@ class BlockProfile:
         if self.policy_extra_seconds is not None:
             return self.policy_extra_seconds
         return self.forward_seconds - self.matmul_seconds
+
+    def segment_forward_peak_bytes(self) -> int:
+        """The most its forward holds above its input inside a checkpointed segment (which
+        saves nothing): measured, or ``forward_peak_bytes`` (which counts what it saves: an
+        upper bound).
+
+        Example:
+            >>> BlockProfile("h.0", 1, 1, 1, True, 1.0, 1.0, forward_peak_bytes=90,
+            ...              checkpointed_forward_peak_bytes=30).segment_forward_peak_bytes()
+            30
+        """
+        if self.checkpointed_forward_peak_bytes is None:
+            return self.forward_peak_bytes
+        return self.checkpointed_forward_peak_bytes
 
     def policy_transient_bytes(self) -> int:
         """Checkpointed alone under ``"save-matmuls"``: the most its forward holds above its
@@ -172,7 +193,8 @@ def _inconsistency(block: BlockProfile) -> str | None:
         if getattr(block, name) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     for name in ("policy_forward_peak_bytes", "policy_backward_peak_bytes",
-                 "policy_extra_seconds"):
+                 "policy_extra_seconds", "checkpointed_forward_peak_bytes",
+                 "checkpointed_backward_peak_bytes"):
         if (getattr(block, name) or 0) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     if block.input_saved and block.saved_bytes < block.input_bytes:

@@ -229,12 +229,14 @@ class _Chain:
             return self._segments[s]
         costs = _SegmentCosts([], [], [], [], [], [])
         transient, seconds, matmul_bytes, policy_seconds = 0, 0.0, 0, 0.0
+        policy_transient = 0  # a longer segment under the policy: bounded by the plain peaks
         retained = 0  # above the segment's kept input and matmul outputs, while recomputed
         forward_high = backward_high = -_INF
         for j in range(s, self.n):
             block = self.blocks[j]
             hidden = 0 if j == s else block.input_bytes
-            transient = max(transient, hidden + block.forward_peak_bytes)
+            transient = max(transient, hidden + block.segment_forward_peak_bytes())
+            policy_transient = max(policy_transient, hidden + block.forward_peak_bytes)
             seconds += block.forward_seconds
             matmul_bytes += block.matmul_bytes
             policy_seconds += block.policy_recompute_seconds()
@@ -249,14 +251,28 @@ class _Chain:
             costs.matmul_bytes.append(matmul_bytes)
             costs.policy_seconds.append(policy_seconds)
             policy_peak = max(self.alive[j] + forward_high, backward_high)
-            policy_transient = transient
             if j == s and block.policy_backward_peak_bytes is not None:  # measured (simulate)
                 policy_peak = self.alive[j] + block.policy_backward_peak_bytes
-                policy_transient = block.policy_transient_bytes()
+                costs.policy_transient.append(block.policy_transient_bytes())
+            else:
+                costs.policy_transient.append(policy_transient)
             costs.policy_peak.append(int(policy_peak))
-            costs.policy_transient.append(policy_transient)
         self._segments[s] = costs
         return costs
+
+    def measured_recompute_peak(self, s: int) -> int | None:
+        """The one-block segment s..s's recomputation and backward, as ``profile`` measured
+        it (``simulate`` uses that instead of walking the block kept): its peak above the
+        segment's retained input, its gradient alive; None when not measured."""
+        measured = self.blocks[s].checkpointed_backward_peak_bytes
+        return None if measured is None else self.alive[s] + measured
+
+    def lowest_forward_peak(self, s: int) -> int:
+        """The least block s's forward holds above its input as any run's first item: kept,
+        in a segment, or alone under the policy."""
+        block = self.blocks[s]
+        lowest = min(block.forward_peak_bytes, block.segment_forward_peak_bytes())
+        return min(lowest, block.policy_transient_bytes()) if self.policies else lowest
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,6 +353,10 @@ class _TimeTables:
             self._shift(self.after[s + 1, s:n], added),
             self._units_tensor(torch.clamp(alive[:-1] + forward, min=backward)),
         )
+        measured = chain.measured_recompute_peak(s)
+        if measured is not None:  # row 0: segment s..s's recomputation, measured
+            at_input[0] = 0.0
+            at_input[0, : min(self.units(measured), levels)] = _INF
         # Segments s..j, on levels above the segment's retained input (shifted in at the end).
         segments_after = torch.full((n + 1 - s, levels), _INF, dtype=_DTYPE)
         costs = chain.segments(s)
@@ -362,7 +382,7 @@ class _TimeTables:
             # where something already does: the recomputation's run (at_input) peaks at least
             # there with its own gradient alive, a non-empty rest above its first block's own.
             rest_floor = (
-                chain.blocks[j + 1].input_bytes + chain.blocks[j + 1].forward_peak_bytes
+                chain.blocks[j + 1].input_bytes + chain.lowest_forward_peak(j + 1)
                 if j + 1 < n else _INF
             )
             needs_cut = costs.transient[k] > rest_floor
@@ -370,6 +390,8 @@ class _TimeTables:
             options = rest + (at_input_rows[k] + costs.forward_seconds[k])
             if needs_cut:
                 options[1:].add_(self._cuts.index_select(0, plain_cuts[k, k + 1:]))
+            # The empty rest: a measured recomputation need not peak above the first forward.
+            self._fit_empty_rests(options, j, costs.transient[k])
             if chain.policies and k == 0 and policy_shifts[k] < levels:
                 under_policy = rest + policy_seconds[k]
                 # Top-level runs only (the last row: column n). Inside another segment the
@@ -416,6 +438,8 @@ class _TimeTables:
         end = chain.end(column)
         if s > end:
             return []
+        if input_retained and s == end and chain.measured_recompute_peak(s) is not None:
+            return []  # a one-block segment's recomputation, measured: nothing to choose
         options: list[tuple[float, int, Segment | None, int]] = []  # time, order, item, level
 
         def lookup(table: torch.Tensor, first: int, col: int, at: int) -> float:
@@ -482,6 +506,9 @@ class _LowestPeak:
             added, backward = chain.kept(s, True)
             peak = max(chain.kept_forward_peak(s, True, e), backward, added + after[s + 1][e][0])
             best_inside.append((peak, ("keep",)))
+        measured = chain.measured_recompute_peak(s)
+        if measured is not None:  # segment s..s's recomputation, as simulate counts it
+            best_inside[0] = (measured, ("keep",))
         for j in range(s, n):
             k = j - s
             inner_peak = best_inside[k][0]  # final: children s..j' with j' < j are in
