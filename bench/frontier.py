@@ -19,7 +19,7 @@ batch and seed), measured side by side in one run:
       gradckpt @ <anchor>   ``gradckpt.solve(gradckpt.profile(model, sample), P, "optimal")``
                             with P = the anchor's measured peak, installed with ``gradckpt.apply``
 
-Run it (about 2 minutes on a quiet 2-core CPU; ``--quick`` is a smoke test of seconds):
+Run it (about 6 minutes on a quiet 2-core CPU; ``--quick`` is a smoke test of seconds):
 
     .venv/bin/python bench/frontier.py
     .venv/bin/python bench/frontier.py --quick
@@ -628,11 +628,12 @@ def verdict(rows: list[FrontierRow], checks: dict[str, PredictionCheck], floor: 
 # Arguments
 # --------------------------------------------------------------------------------------------
 
-# Sizes and repetitions: the full run (a plain step ~0.4 s on 2 CPU cores, up to 10 contenders,
-# a round ~16 s, the script about 2 minutes) and --quick (a smoke test of seconds). Explicit
-# flags win over both.
+# Sizes and repetitions: the full run (a plain step ~0.45 s on 2 CPU cores, up to 10 contenders,
+# a round ~20 s, the script about 6 minutes) and --quick (a smoke test of seconds). Explicit
+# flags win over both. 16 rounds: one step's time strays by 10-15% here, and with 6 rounds a
+# two-block recomputation measured anywhere from -2% to +12% of a step from run to run.
 FULL = dict(
-    layers=8, batch=8, seq=128, embd=256, heads=4, rounds=6, warmup=1, steps=1, patience=300.0
+    layers=8, batch=8, seq=128, embd=256, heads=4, rounds=16, warmup=1, steps=1, patience=300.0
 )
 QUICK = dict(layers=4, batch=2, seq=32, embd=64, heads=2, rounds=3, warmup=1, steps=1, patience=0.0)
 
