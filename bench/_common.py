@@ -49,6 +49,40 @@ import torch
 MIB = 1024 * 1024
 
 
+def require_identical_gradients(
+    model: torch.nn.Module,
+    steps: dict[str, Callable[[], torch.Tensor]],
+    display: Callable[[str], str] = repr,
+) -> int:
+    """Run each step once (it returns the loss and leaves the gradients); exit with status 1
+    unless every step's loss and parameter gradients equal the first step's, bit for bit.
+
+    Timing contenders that compute different things would be meaningless. ``display`` names a
+    step in the message. Returns how many gradient tensors were compared.
+    """
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    results = {}
+    for label, step in steps.items():
+        loss = step()
+        results[label] = (loss, [p.grad.detach().clone() for _, p in named])
+    reference = next(iter(steps))
+    reference_loss, reference_grads = results[reference]
+    for label, (loss, grads) in results.items():
+        differing = [
+            name
+            for (name, _), mine, theirs in zip(named, reference_grads, grads, strict=True)
+            if not torch.equal(mine, theirs)
+        ]
+        if differing or not torch.equal(reference_loss, loss):
+            raise SystemExit(
+                f"FAIL: gradients of {display(label)} differ from {display(reference)} (loss "
+                f"{loss.item()!r} vs {reference_loss.item()!r}; {len(differing)} of {len(named)} "
+                f"gradient tensors differ, first: {differing[:3]})"
+            )
+    model.zero_grad(set_to_none=True)
+    return len(named)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that a timer read afterwards covers it (no-op on CPU)."""
     if device.type == "cuda":

@@ -156,33 +156,12 @@ def check_gradients(
     model: TinyGPT, steps: dict[str, Callable[[], torch.Tensor]], names: dict[str, str]
 ) -> str:
     """Run each step once; all gradients and losses must be bit-for-bit equal. Returns a line."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    parameter_names = [name for name, _ in named]
-    parameters = [p for _, p in named]
-    results = {}
-    for label, step in steps.items():
-        loss = step()
-        results[label] = (loss, [p.grad.detach().clone() for p in parameters])
-    reference_label = next(iter(steps))
-    reference_loss, reference_grads = results[reference_label]
-    for label, (loss, grads) in results.items():
-        if label == reference_label:
-            continue
-        differing = [
-            name
-            for name, mine, theirs in zip(parameter_names, reference_grads, grads, strict=True)
-            if not torch.equal(mine, theirs)
-        ]
-        if differing or not torch.equal(reference_loss, loss):
-            sys.exit(
-                f"FAIL: gradients of {names[reference_label]} and {names[label]} differ "
-                f"(loss {reference_loss.item()!r} vs {loss.item()!r}; {len(differing)} of "
-                f"{len(parameters)} gradient tensors differ, first: {differing[:3]})"
-            )
-    others = ", ".join(names[label] for label in steps if label != reference_label)
+    compared = _common.require_identical_gradients(model, steps, display=names.__getitem__)
+    reference = next(iter(steps))
+    others = ", ".join(names[label] for label in steps if label != reference)
     return (
-        f"gradients: {names[reference_label]} == {others}, bit for bit "
-        f"({len(parameters)} tensors and the loss)"
+        f"gradients: {names[reference]} == {others}, bit for bit "
+        f"({compared} tensors and the loss)"
     )
 
 

@@ -352,29 +352,10 @@ def make_step(
 
 def check_gradients(model: TinyGPT, steps: dict[str, Callable[[], torch.Tensor]]) -> str:
     """Run each step once; losses and gradients must equal the first step's bit for bit."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    results = {}
-    for name, step in steps.items():
-        loss = step()
-        results[name] = (loss, [p.grad.detach().clone() for _, p in named])
-    reference_name = next(iter(steps))
-    reference_loss, reference_grads = results[reference_name]
-    for name, (loss, grads) in results.items():
-        differing = [
-            parameter_name
-            for (parameter_name, _), mine, theirs in zip(named, reference_grads, grads, strict=True)
-            if not torch.equal(mine, theirs)
-        ]
-        if differing or not torch.equal(reference_loss, loss):
-            sys.exit(
-                f"FAIL: gradients of {name!r} differ from {reference_name!r} (loss "
-                f"{loss.item()!r} vs {reference_loss.item()!r}; {len(differing)} of {len(named)} "
-                f"gradient tensors differ, first: {differing[:3]})"
-            )
-    model.zero_grad(set_to_none=True)
+    compared = _common.require_identical_gradients(model, steps)
     return (
-        f"gradients: all {len(steps)} contenders == {reference_name}, bit for bit "
-        f"({len(named)} tensors and the loss)"
+        f"gradients: all {len(steps)} contenders == {next(iter(steps))}, bit for bit "
+        f"({compared} tensors and the loss)"
     )
 
 
