@@ -9,8 +9,10 @@
   bytes; the bytes its autograd graph keeps (the distinct storages of the tensors it saves for
   backward, parameters excluded, its input included when saved); the transient memory of its
   forward and backward pass (MemTracker / the CUDA allocator, above what existed before); its
-  forward and backward time (medians); and the outputs and share of forward time of its matrix
-  multiplies and attention kernels (what ``policy="save-matmuls"`` keeps).
+  forward and backward time (medians; its forward timed inside the measured steps, the times
+  taken on its own scaled to that pace, see ``gradckpt.step_timer``); and the outputs and share
+  of forward time of its matrix multiplies and attention kernels (what
+  ``policy="save-matmuls"`` keeps).
 
 ``fixed_bytes`` is then whatever of the measured peak the chain model (``gradckpt.plan``) does not
 explain: parameters, gradients, embeddings, logits. The model's parameters, gradients, buffers
@@ -42,6 +44,7 @@ from .policies import is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
 from .progress import progress as show_progress
 from .solvers.optimal import POLICY
+from .step_timer import BlockForwardTimer
 
 __all__ = ["profile", "run_model", "loss_of"]
 
@@ -147,15 +150,25 @@ def profile(
             bar.update()
 
         step()  # warm-up: lazy initialisations, allocator caches
-        step_seconds = _median_seconds(step, repeats, device)
+        with BlockForwardTimer(modules, device) as timer:
+
+            def timed_step() -> None:
+                timer.begin_step()
+                step()
+                timer.end_step()
+
+            step_seconds = _median_seconds(timed_step, repeats, device)
+        in_step_forward = timer.median_seconds()
         memory = _StepMemory(modules[0], modules[-1], device)
         model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
         memory.measure(step, model, *_tensors(sample))
         measured = []
-        for (name, module), call, gradient_bytes in zip(
-            named_blocks, calls, _gradient_bytes(modules), strict=True
+        for (name, module), call, gradient_bytes, forward_in_step in zip(
+            named_blocks, calls, _gradient_bytes(modules), in_step_forward, strict=True
         ):
-            measured.append(_measure_block(name, module, call, repeats, device, gradient_bytes))
+            measured.append(_measure_block(
+                name, module, call, repeats, device, gradient_bytes, forward_in_step
+            ))
             bar.update()
     return _assemble(measured, memory, step_seconds, device)
 
@@ -423,8 +436,11 @@ def _gradient_bytes(blocks: list[nn.Module]) -> list[int]:
 
 def _measure_block(
     name: str, block: nn.Module, call: _BlockCall, repeats: int, device: torch.device,
-    gradient_bytes: int,
+    gradient_bytes: int, forward_in_step: float | None,
 ) -> BlockProfile:
+    """Everything ``BlockProfile`` holds about one block, re-run on its own from its call in
+    the step. Its times on its own are put at the step's pace: scaled by its forward timed in
+    the step (``forward_in_step``) over its forward timed here."""
     parameter_storages = {_storage_key(p) for p in block.parameters()}
     parameter_storages |= {_storage_key(b) for b in block.buffers()}
 
@@ -464,6 +480,9 @@ def _measure_block(
 
     forward_seconds = _median_seconds(forward_only, repeats, device)
     both_seconds = _median_seconds(forward_and_backward, repeats, device)
+    pace = 1.0
+    if forward_in_step is not None and forward_seconds > 0:
+        pace = forward_in_step / forward_seconds
     block.zero_grad(set_to_none=True)
     operations = _operations(block, call)
     checkpointed_forward_peak, checkpointed_backward_peak = _checkpointed_peaks(
@@ -479,21 +498,21 @@ def _measure_block(
         output_bytes=_nbytes(chain_output),
         saved_bytes=sum(saved.values()),
         input_saved=input_saved,
-        forward_seconds=forward_seconds,
-        backward_seconds=max(both_seconds - forward_seconds, 0.0),
+        forward_seconds=forward_seconds * pace,
+        backward_seconds=max(both_seconds - forward_seconds, 0.0) * pace,
         forward_peak_bytes=forward_peak,
         backward_peak_bytes=backward_peak,
         matmul_bytes=operations.matmul_bytes,
-        matmul_seconds=operations.matmul_share * forward_seconds,
+        matmul_seconds=operations.matmul_share * forward_seconds * pace,
         saved_bytes_by_op=operations.saved_bytes,
         forward_seconds_by_op={
-            name: share * forward_seconds for name, share in operations.time_share.items()
+            name: share * forward_seconds * pace for name, share in operations.time_share.items()
         },
         gradient_bytes=gradient_bytes,
         policy_forward_peak_bytes=policy_forward_peak,
         policy_backward_peak_bytes=policy_backward_peak,
         # Never below zero: a policy run faster than the plain block is timing noise.
-        policy_extra_seconds=max(policy_seconds - both_seconds, 0.0),
+        policy_extra_seconds=max(policy_seconds - both_seconds, 0.0) * pace,
         checkpointed_forward_peak_bytes=checkpointed_forward_peak,
         checkpointed_backward_peak_bytes=checkpointed_backward_peak,
     )

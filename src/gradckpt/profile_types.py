@@ -33,7 +33,9 @@ class BlockProfile:
       gradient flowing back into it).
     - ``saved_bytes``: what its autograd graph keeps alive after its forward pass, its input
       included when the graph keeps that (``input_saved``).
-    - ``forward_seconds``, ``backward_seconds``: time of its forward and backward pass.
+    - ``forward_seconds``, ``backward_seconds``: time of its forward and backward pass (as
+      ``profile`` measures them, at the pace of the profile's plain steps: the forward timed
+      inside them, so it and ``Profile.step_seconds`` share the machine's moments).
     - ``forward_peak_bytes``: the most memory its forward pass holds above what was allocated when
       it started (temporaries, its output and what it saves).
     - ``backward_peak_bytes``: the same for its backward pass, above what was allocated when that
