@@ -59,14 +59,13 @@ How to read the output:
   within it cannot be told from nothing here.
 - ``predictions``: for each contender, the cost model's peak and extra time (gradckpt's plans:
   ``predicted_peak_bytes``, ``predicted_overhead``; the anchors' layouts: the same model,
-  ``gradckpt.plan.simulate``, for comparison) against the measured ones. Extra time is compared
-  in milliseconds: the predicted recomputation seconds against the measured extra ratio times
-  the plain step timed here. (A plan's ``predicted_overhead`` divides its seconds by the
-  profile's plain step, itself a few steps timed at another moment: on these machines it was
-  3-28% off the plain step timed here, which moves every predicted ratio by that factor; the
-  line "plain step" shows it.) Targets: peak within 5%; extra time within the larger of 15% of
-  the measured extra and the noise floor (column "allowed"). The relative error is shown too
-  where the measured extra is above the floor.
+  ``gradckpt.plan.simulate``, for comparison) against the measured ones, extra time as a
+  fraction of the plain step (the profile times each block's forward inside its own plain
+  steps, so a plan's seconds and the step it divides them by come from the same moments; with
+  blocks timed on their own, the profile's ratios were off by the machine's drift, 3-28% here).
+  Targets: peak within 5%; extra time within the larger of 15% of the measured extra and the
+  noise floor (column "allowed"). The relative error is shown too where the measured extra is
+  above the floor.
 - ``frontier``: for each anchor, gradckpt's extra time divided by the anchor's, counted only when
   gradckpt's measured peak is at most the anchor's and the anchor's extra time is above the noise
   floor. Below 1: gradckpt recomputes less for the same memory. "Never worse" holds for an
@@ -424,9 +423,9 @@ def measured_table(
 @dataclass(frozen=True)
 class PredictionCheck:
     peak_error: float  # (predicted - measured) / measured peak
-    predicted_extra: float  # seconds
-    measured_extra: float  # seconds
-    extra_allowed: float  # seconds: max(EXTRA_TIME_ERROR_TARGET * |measured|, noise floor)
+    predicted_extra: float  # fractions of the plain step
+    measured_extra: float
+    extra_allowed: float  # max(EXTRA_TIME_ERROR_TARGET * |measured|, noise floor)
     relative_extra_error: float | None  # None: the measured extra time is noise-sized
 
     @property
@@ -448,21 +447,14 @@ class PredictionCheck:
         return abs(self.relative_extra_error) <= EXTRA_TIME_ERROR_TARGET
 
 
-def check_prediction(
-    contender: Contender, extra_ratio: float, floor: float, profile_step: float, plain_step: float
-) -> PredictionCheck:
-    """The contender's predictions against what was measured, extra time in seconds.
-
-    ``extra_ratio`` and ``floor`` are fractions of ``plain_step`` (the plain step timed here);
-    the contender's ``predicted_overhead`` is a fraction of ``profile_step``.
-    """
+def check_prediction(contender: Contender, extra_ratio: float, floor: float) -> PredictionCheck:
+    """The contender's predictions against what was measured (extra time: fractions of the
+    plain step)."""
     peak_error = (contender.predicted_peak_bytes - contender.peak_bytes) / contender.peak_bytes
-    predicted = contender.predicted_overhead * profile_step
-    measured = extra_ratio * plain_step
-    noise = floor * plain_step
-    allowed = max(EXTRA_TIME_ERROR_TARGET * abs(measured), noise)
-    relative = (predicted - measured) / measured if abs(measured) > noise else None
-    return PredictionCheck(peak_error, predicted, measured, allowed, relative)
+    predicted = contender.predicted_overhead
+    allowed = max(EXTRA_TIME_ERROR_TARGET * abs(extra_ratio), floor)
+    relative = (predicted - extra_ratio) / extra_ratio if abs(extra_ratio) > floor else None
+    return PredictionCheck(peak_error, predicted, extra_ratio, allowed, relative)
 
 
 def prediction_table(
@@ -482,11 +474,10 @@ def prediction_table(
                 mib(c.predicted_peak_bytes),
                 mib(c.peak_bytes),
                 f"{100 * check.peak_error:+.1f}%{'' if check.peak_met else ' !'}",
-                f"{c.predicted_overhead:+.3f}",
-                f"{1000 * check.predicted_extra:+.0f}",
-                f"{1000 * check.measured_extra:+.0f}",
-                f"{1000 * check.extra_difference:+.0f}{'' if check.extra_met else ' !'}",
-                f"{1000 * check.extra_allowed:.0f}",
+                f"{check.predicted_extra:+.3f}",
+                f"{check.measured_extra:+.3f}",
+                f"{check.extra_difference:+.3f}{'' if check.extra_met else ' !'}",
+                f"{check.extra_allowed:.3f}",
                 relative,
             )
         )
@@ -495,11 +486,10 @@ def prediction_table(
         "pred. peak MiB",
         "meas. peak MiB",
         "peak err",
-        "plan's ratio",
-        "pred. extra ms",
-        "meas. extra ms",
-        "pred-meas ms",
-        "allowed ms",
+        "pred. extra",
+        "meas. extra",
+        "pred-meas",
+        "allowed",
         "extra err",
     ]
     return _common.format_table(headers, rows)
@@ -760,8 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         f"blocks discarded (other processes above {args.max_foreign_load} core); load average "
         f"after: {_common.load_average()}"
     )
-    # Predicted extra times are fractions of the profile's plain step: if that differs from the
-    # plain step timed here, every prediction is off by the same factor.
+    # Seconds differ from run to run with the machine's pace; predicted extra times are
+    # fractions of the profile's own plain step, measured ones of the plain step timed here.
     print(
         f"plain step: {plain_seconds:.3f} s here (median), {measured_profile.step_seconds:.3f} s "
         f"in gradckpt.profile (ratio {measured_profile.step_seconds / plain_seconds:.3f})"
@@ -785,20 +775,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
 
-    checks = {
-        c.name: check_prediction(
-            c, extras[c.name], floor, measured_profile.step_seconds, plain_seconds
-        )
-        for c in contenders
-    }
+    checks = {c.name: check_prediction(c, extras[c.name], floor) for c in contenders}
     print(
-        "predictions (gradckpt cost model) vs measured; plan's ratio: predicted_overhead (of "
-        "the profile's plain step); extra ms: predicted recomputation vs measured extra ratio x "
-        f"the plain step here ({1000 * plain_seconds:.0f} ms); targets: peak within "
-        f"{100 * PEAK_ERROR_TARGET:.0f}%, extra time within max("
-        f"{100 * EXTRA_TIME_ERROR_TARGET:.0f}% of the measured, noise floor "
-        f"{1000 * floor * plain_seconds:.0f} ms) (allowed; ! = missed); extra err: relative, "
-        "where the measured extra is above the floor"
+        "predictions (gradckpt cost model) vs measured; extra time as a fraction of the plain "
+        f"step; targets: peak within {100 * PEAK_ERROR_TARGET:.0f}%, extra time within max("
+        f"{100 * EXTRA_TIME_ERROR_TARGET:.0f}% of the measured, noise floor {floor:.3f}) "
+        "(allowed; ! = missed); extra err: relative, where the measured extra is above the floor"
     )
     print(prediction_table(contenders, extras, checks))
     print()
