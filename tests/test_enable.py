@@ -14,6 +14,7 @@ import gradckpt
 from gradckpt import BudgetError
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
+from gradckpt.solvers.optimal import minimum_peak_bytes
 
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=64, dropout=0.1)
 ALLOWANCE = 1.03  # allocator noise the planning issue allows on a measured peak
@@ -123,3 +124,52 @@ def test_llama_from_a_config_fits_the_budget_with_identical_gradients() -> None:
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
     gradckpt.disable(model)
     assert model.config.use_cache
+
+
+def tiny_transformer() -> nn.Transformer:
+    torch.manual_seed(0)
+    return nn.Transformer(d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=3,
+                          dim_feedforward=64, batch_first=True)
+
+
+def mean_square(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+def test_encoder_decoder_plans_stop_at_the_decoder_and_train_identically() -> None:
+    """Encoder then decoder layers form one chain with a break: the decoder's first layer takes
+    the target, not the encoder's output. No plan may recompute across it (the segment would
+    fail at its first step); every strategy plans around it and trains exactly as before."""
+    generator = torch.Generator().manual_seed(1)
+    sample = (torch.randn(4, 24, 32, generator=generator),
+              torch.randn(4, 16, 32, generator=generator))
+
+    def run(model: nn.Module) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        result = {}
+
+        def one_step() -> None:
+            torch.manual_seed(3)  # the same dropout masks
+            result["loss"] = loss = mean_square(model(*sample))
+            loss.backward()
+
+        peak = measure_peak_bytes(one_step, model, *sample)
+        return peak, result["loss"].detach(), [p.grad.clone() for p in model.parameters()]
+
+    _, plain_loss, plain_grads = run(tiny_transformer())
+    model = tiny_transformer()
+    measured = gradckpt.profile(model, sample, loss_fn=mean_square, repeats=1)
+    assert measured.chain_breaks == [2]
+    lowest = minimum_peak_bytes(measured)
+    middle = (lowest + measured.peak_bytes) // 2
+    cases = [("sqrt", None), ("chen-greedy", middle), ("optimal", lowest), ("optimal", middle)]
+    for strategy, budget in cases:
+        plan = gradckpt.solve(measured, budget, strategy)
+        assert all(s.end < 2 or s.start >= 2 for s in plan.segments), plan.segments
+        gradckpt.apply(model, plan)
+        peak, loss, grads = run(model)
+        gradckpt.disable(model)
+        assert torch.equal(loss, plain_loss), strategy
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True)), strategy
+        if budget is not None:
+            assert peak <= budget * ALLOWANCE, (strategy, peak, budget, plan.segments)

@@ -62,6 +62,7 @@ def test_gpt_blocks_and_the_step() -> None:
     measured = gradckpt.profile(tiny_gpt(), gpt_sample(), repeats=1)
     hidden_bytes = BATCH * SEQ * CONFIG.n_embd * 4
     assert len(measured.blocks) == CONFIG.n_layer
+    assert measured.chain_breaks == []  # each block takes the previous one's output
     for block in measured.blocks:
         assert block.input_bytes == block.output_bytes == hidden_bytes
         assert block.saved_bytes > block.input_bytes and block.input_saved

@@ -16,6 +16,7 @@ from gradckpt.plan import Segment, simulate
 from gradckpt.profile_types import BlockProfile, Profile
 from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES, solve
 from gradckpt.solvers.chen_greedy import candidate_plans
+from gradckpt.solvers.chen_greedy import minimum_peak_bytes as greedy_minimum_peak_bytes
 from gradckpt.solvers.optimal import memory_unit_bytes, minimum_peak_bytes, solve_optimal
 from gradckpt.solvers.sqrt import solve_sqrt
 
@@ -88,7 +89,17 @@ def random_profile(seed: int, n: int, matmuls: bool = True) -> Profile:
     profile = Profile(blocks, 0, FIXED_BYTES, sum(b.forward_seconds for b in blocks) * 3,
                       head_bytes=rng.randint(0, 60), head_gradient_bytes=rng.randint(0, 20),
                       other_peak_bytes=rng.randint(0, 40))
+    if n > 1 and rng.random() < 0.4:  # an encoder/decoder-like chain: no segment across
+        profile.chain_breaks = sorted(rng.sample(range(1, n), rng.randint(1, min(2, n - 1))))
     return with_peak(profile)
+
+
+def spans_no_chain_break(segments: list[Segment], profile: Profile) -> bool:
+    return all(
+        segment.end <= profile.segment_end_limit(segment.start)
+        and spans_no_chain_break(segment.children, profile)
+        for segment in segments
+    )
 
 
 def all_plans(start: int, end: int, policies: tuple, whole: tuple | None = None,
@@ -334,7 +345,11 @@ def test_chen_greedy_on_a_homogeneous_chain_lands_near_sqrt() -> None:
 
 def assert_optimal_matches_brute_force(profile: Profile, policies: tuple) -> None:
     n = len(profile.blocks)
-    outcomes = [simulate(profile, plan) for plan in all_plans(0, n - 1, policies)]
+    outcomes = [
+        simulate(profile, plan)
+        for plan in all_plans(0, n - 1, policies)
+        if spans_no_chain_break(plan, profile)  # simulate refuses the others
+    ]
     peaks = sorted({peak for peak, _ in outcomes})
     assert minimum_peak_bytes(profile) == FIXED_BYTES + peaks[0]
     for chain_budget in [peaks[0] - 1, *peaks]:
@@ -375,6 +390,45 @@ def test_optimal_equals_brute_force_without_matmuls(seed: int, n: int) -> None:
 
 def test_optimal_equals_brute_force_on_a_homogeneous_chain() -> None:
     assert_optimal_matches_brute_force(homogeneous(6), (None,))
+
+
+def test_brute_force_sees_chain_breaks() -> None:
+    # Chains with and without breaks are drawn (the oracle above filters plans across them).
+    drawn = [random_profile(seed, 4).chain_breaks for seed in range(20)]
+    assert any(drawn) and not all(drawn)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_strategy_puts_a_segment_across_a_chain_break(strategy: str) -> None:
+    """An encoder's last block and a decoder's first cannot be recomputed as one segment:
+    each strategy plans around the break, at every budget."""
+    profile = homogeneous(9)
+    profile.chain_breaks = [4]
+    budgets = budgets_for(profile)[2:] if strategy in BUDGET_DRIVEN else [None]
+    if strategy == "chen-greedy":  # its lowest peak is not optimal's
+        budgets = [greedy_minimum_peak_bytes(profile), *budgets[1:]]
+    for budget in budgets:
+        plan = solve(profile, budget, strategy)
+        assert spans_no_chain_break(plan.segments, profile), (budget, plan.segments)
+    if strategy == "sqrt":  # 3-block segments, the one across the break cut in two
+        assert [(s.start, s.end) for s in plan.segments] == [(0, 2), (3, 3), (4, 5), (6, 8)]
+
+
+def test_simulate_refuses_a_segment_across_a_chain_break() -> None:
+    profile = homogeneous(4)
+    profile.chain_breaks = [2]
+    with pytest.raises(UsageError, match=r"segment 1-2 spans blocks 1 and 2 \(h.1 -> h.2\)"):
+        simulate(profile, [Segment(1, 2)])
+    with pytest.raises(UsageError, match="segment 0-3 spans"):
+        simulate(profile, [Segment(0, 3, [Segment(0, 1)])])
+    simulate(profile, [Segment(0, 1), Segment(2, 3)])  # either side of it: fine
+
+
+def test_chain_breaks_out_of_range_are_refused() -> None:
+    profile = homogeneous(4)
+    profile.chain_breaks = [4]
+    with pytest.raises(UsageError, match="chain_breaks"):
+        solve(profile, None, "sqrt")
 
 
 def test_optimal_uses_nesting_when_it_pays() -> None:

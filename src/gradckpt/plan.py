@@ -52,7 +52,7 @@ from typing import Any
 from .errors import UsageError
 from .profile_types import Profile
 
-__all__ = ["Segment", "Plan", "simulate", "gradients_after"]
+__all__ = ["Segment", "Plan", "simulate", "gradients_after", "split_at_chain_breaks"]
 
 
 @dataclass
@@ -159,6 +159,7 @@ def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
     blocks = profile.blocks
     profile.validate()
     _check_segments(segments, 0, len(blocks) - 1)
+    _check_chain_breaks(segments, profile)
     walk = _Walk(profile)
     items = _items(segments, 0, len(blocks) - 1)
     retained, forward_peak, added = walk.forward(items, 0, False, 0)
@@ -212,6 +213,40 @@ def _check_segments(segments: list[Segment], start: int, end: int) -> None:
             )
         _check_segments(segment.children, segment.start, segment.end)
         previous_end = segment.end
+
+
+def _check_chain_breaks(segments: list[Segment], profile: Profile) -> None:
+    for segment in segments:
+        if segment.end > profile.segment_end_limit(segment.start):
+            first = min(i for i in profile.chain_breaks if segment.start < i <= segment.end)
+            names = [block.name for block in profile.blocks]
+            raise UsageError(
+                f"segment {segment.start}-{segment.end} spans blocks {first - 1} and {first} "
+                f"({names[first - 1]} -> {names[first]}), but block {first} does not take block "
+                f"{first - 1}'s output (something runs between them, e.g. encoder to decoder); "
+                f"split the segment there"
+            )
+        _check_chain_breaks(segment.children, profile)
+
+
+def split_at_chain_breaks(segments: list[Segment], profile: Profile) -> list[Segment]:
+    """Segments without children, each cut where the chain breaks (see ``Profile``).
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile
+        >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0) for i in range(6)]
+        >>> profile = Profile(blocks, 0, 0, 1.0, chain_breaks=[3])
+        >>> [(s.start, s.end) for s in split_at_chain_breaks([Segment(0, 5)], profile)]
+        [(0, 2), (3, 5)]
+    """
+    pieces = []
+    for segment in segments:
+        start = segment.start
+        while start <= segment.end:
+            end = min(segment.end, profile.segment_end_limit(start))
+            pieces.append(Segment(start, end, policy=segment.policy))
+            start = end + 1
+    return pieces
 
 
 class _Walk:

@@ -141,7 +141,7 @@ def profile(
         caches_off(model),
         show_progress(steps, "gradckpt: profiling", enabled=progress) as bar,
     ):
-        calls = _record_block_calls(model, sample, loss_fn, modules)
+        calls, chain_breaks = _record_block_calls(model, sample, loss_fn, modules)
 
         def step() -> None:
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
@@ -170,7 +170,9 @@ def profile(
                 name, module, call, repeats, device, gradient_bytes, forward_in_step
             ))
             bar.update()
-    return _assemble(measured, memory, step_seconds, device)
+    measured_profile = _assemble(measured, memory, step_seconds, device)
+    measured_profile.chain_breaks = chain_breaks
+    return measured_profile
 
 
 def _assemble(
@@ -243,15 +245,28 @@ class _BlockCall:
 
 def _record_block_calls(
     model: nn.Module, sample: Any, loss_fn: Any, blocks: list[nn.Module]
-) -> list[_BlockCall]:
+) -> tuple[list[_BlockCall], list[int]]:
+    """Each block's first call in one step, and the chain breaks: the blocks whose hidden-state
+    input is not the previous block's output (the test ``gradckpt.segments`` applies)."""
     calls: dict[int, _BlockCall] = {}
+    inputs: dict[int, list[Any]] = {}
+    outputs: dict[int, torch.Tensor | None] = {}
 
     def record(index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        calls.setdefault(index, _BlockCall(args, kwargs))  # the first call, if called twice
+        if index not in calls:  # the first call, if called twice
+            calls[index] = _BlockCall(args, kwargs)
+            inputs[index] = tree_flatten((args, kwargs))[0]
+
+    def record_output(index: int, module: nn.Module, args: tuple, output: Any) -> None:
+        outputs.setdefault(index, _first_tensor(output))
 
     hooks = [
-        block.register_forward_pre_hook(functools.partial(record, index), with_kwargs=True)
+        hook
         for index, block in enumerate(blocks)
+        for hook in (
+            block.register_forward_pre_hook(functools.partial(record, index), with_kwargs=True),
+            block.register_forward_hook(functools.partial(record_output, index)),
+        )
     ]
     try:
         loss_of(run_model(model, sample), loss_fn).backward()
@@ -264,7 +279,12 @@ def _record_block_calls(
             f"blocks {missing} did not run in the model's forward pass on this sample; pass "
             "blocks= with the blocks that run, in order"
         )
-    return [calls[index] for index in range(len(blocks))]
+    breaks = [
+        index for index in range(1, len(blocks))
+        if not any(leaf is outputs.get(index - 1) for leaf in inputs[index])
+        or outputs.get(index - 1) is None
+    ]
+    return [calls[index] for index in range(len(blocks))], breaks
 
 
 @contextlib.contextmanager

@@ -135,6 +135,9 @@ class Profile:
     - ``other_peak_bytes``: the highest point, above ``fixed_bytes``, of the step outside the
       chain's activations (before the chain, and after its backward: the embedding's backward
       with every gradient allocated). Plans do not change it.
+    - ``chain_breaks``: the blocks i whose hidden-state input is not block i - 1's output (an
+      encoder's last layer and a decoder's first: something runs between them). No segment may
+      span such a pair: its recomputation feeds each block the previous one's output.
     """
 
     blocks: list[BlockProfile]
@@ -146,6 +149,20 @@ class Profile:
     head_bytes: int = 0
     head_gradient_bytes: int = 0
     other_peak_bytes: int = 0
+    chain_breaks: list[int] = field(default_factory=list)
+
+    def segment_end_limit(self, start: int) -> int:
+        """The last block a segment starting at block ``start`` may reach: the one before the
+        next chain break, or the chain's last block.
+
+        Example:
+            >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0) for i in range(5)]
+            >>> profile = Profile(blocks, 0, 0, 1.0, chain_breaks=[3])
+            >>> profile.segment_end_limit(0), profile.segment_end_limit(3)
+            (2, 4)
+        """
+        following = [index for index in self.chain_breaks if index > start]
+        return (min(following) if following else len(self.blocks)) - 1
 
     def validate(self) -> None:
         """Raise ``UsageError`` naming the first block whose numbers cannot be right.
@@ -165,6 +182,10 @@ class Profile:
             if getattr(self, name) < 0:
                 raise UsageError(f"profile {name} is negative ({getattr(self, name)}); fix the "
                                  "profile or re-measure it with gradckpt.profile")
+        if any(not 0 < index < len(self.blocks) for index in self.chain_breaks):
+            raise UsageError(f"profile chain_breaks {self.chain_breaks} must be block indices "
+                             f"1..{len(self.blocks) - 1}; fix the profile or re-measure it with "
+                             "gradckpt.profile")
         for block in self.blocks:
             problem = _inconsistency(block)
             if problem:

@@ -2,8 +2,9 @@
 
 "Training Deep Nets with Sublinear Memory Cost", section 4.3: walk the chain adding up the bytes
 each block saves; when the running total exceeds a threshold ``b``, close a segment at that block
-and start again from zero. A small ``b`` gives many short segments (little memory in backward,
-many kept inputs); a large one gives few long segments. Chen searches over ``b``; here every
+and start again from zero (and at a chain break: encoder to decoder). A small ``b`` gives many
+short segments (little memory in backward, many kept inputs); a large one gives few long
+segments. Chen searches over ``b``; here every
 threshold at which the greedy's answer changes is tried (the sums of saved bytes over runs of
 consecutive blocks; a geometric grid of them for long chains), each plan is judged by
 ``simulate``, and the fastest one that fits the budget wins. Keeping everything (no segments) is
@@ -40,7 +41,11 @@ def greedy_segments(profile: Profile, threshold_bytes: int) -> list[Segment]:
     segments = []
     start = 0
     running_bytes = 0
+    breaks = set(profile.chain_breaks)
     for index, block in enumerate(profile.blocks):
+        if index in breaks and start < index:  # no segment spans a chain break
+            segments.append(Segment(start, index - 1))
+            start, running_bytes = index, 0
         running_bytes += block.saved_bytes
         if running_bytes > threshold_bytes:
             segments.append(Segment(start, index))

@@ -1,9 +1,10 @@
 """Strategy "optimal": the least extra time that fits the budget, by dynamic programming.
 
 The search space is every plan ``gradckpt.plan.simulate`` evaluates and ``gradckpt.apply`` can
-install: any blocks kept, any runs of blocks checkpointed as segments, segments nested inside
-segments to any depth (each child a proper sub-range of its parent: a child spanning its whole
-parent only repeats the same recomputation), and top-level one-block segments with
+install: any blocks kept, any runs of blocks checkpointed as segments (none across a chain
+break, ``Profile.chain_breaks``), segments nested inside segments to any depth (each child a
+proper sub-range of its parent: a child spanning its whole parent only repeats the same
+recomputation), and top-level one-block segments with
 ``policy="save-matmuls"`` (``profile`` measures each block run that way, so those predictions
 are measured ones; a longer segment under the policy could only be bounded, and ``apply``
 refuses a policy on a nested segment). The answer is the plan of least predicted extra time
@@ -196,7 +197,9 @@ class _Chain:
     def __init__(self, profile: Profile) -> None:
         self.blocks: list[BlockProfile] = profile.blocks
         self.n = len(self.blocks)
-        self.policies = any(b.matmul_bytes or b.matmul_seconds for b in self.blocks)
+        # Without matmuls and unmeasured, a block under the policy is its plain segment.
+        self.policies = any(b.matmul_bytes or b.matmul_seconds
+                            or b.policy_backward_peak_bytes is not None for b in self.blocks)
         # While a run inside a segment ending at c is (re)computed in backward, c's output
         # gradient and every parameter gradient made before are alive; nothing at the top.
         self.gradients_after = gradients_after(profile)
@@ -205,6 +208,8 @@ class _Chain:
         ]
         self.alive.append(0)
         self.head_bytes = profile.head_bytes
+        # The last block a segment starting at s may reach (chain breaks: encoder to decoder).
+        self.limit = [profile.segment_end_limit(s) for s in range(self.n)]
         self._segments: dict[int, _SegmentCosts] = {}
 
     def end(self, column: int) -> int:
@@ -232,7 +237,7 @@ class _Chain:
         policy_transient = 0  # a longer segment under the policy: bounded by the plain peaks
         retained = 0  # above the segment's kept input and matmul outputs, while recomputed
         forward_high = backward_high = -_INF
-        for j in range(s, self.n):
+        for j in range(s, self.limit[s] + 1):
             block = self.blocks[j]
             hidden = 0 if j == s else block.input_bytes
             transient = max(transient, hidden + block.segment_forward_peak_bytes())
@@ -375,7 +380,7 @@ class _TimeTables:
                 torch.tensor(costs.policy_transient)[:, None] + self.alive[None, s:]
             ))
         at_input_rows = at_input.unbind(0)
-        for j in range(s, n):
+        for j in range(s, chain.limit[s] + 1):
             k = j - s
             rest = self._after_rows[j + 1][j:]  # columns j..n; column j is the empty rest
             # The segment's first forward peaks at alive + transient. No need to cut there
@@ -451,7 +456,7 @@ class _TimeTables:
                             None, level - self.units(added)))
         costs = chain.segments(s)
         inner = level - (0 if input_retained else self.units(chain.blocks[s].input_bytes))
-        last = end - 1 if input_retained else end
+        last = min(end - 1 if input_retained else end, chain.limit[s])
         for j in range(s, last + 1):
             k = j - s
             if inner >= self.units(chain.alive[column] + costs.transient[k]):
@@ -509,7 +514,7 @@ class _LowestPeak:
         measured = chain.measured_recompute_peak(s)
         if measured is not None:  # segment s..s's recomputation, as simulate counts it
             best_inside[0] = (measured, ("keep",))
-        for j in range(s, n):
+        for j in range(s, chain.limit[s] + 1):
             k = j - s
             inner_peak = best_inside[k][0]  # final: children s..j' with j' < j are in
             at_input[s][j] = best_inside[k]

@@ -4,7 +4,8 @@
 consecutive segments of ``ceil(sqrt(n))`` blocks and checkpoint each one as a region. The forward
 pass keeps one input per segment (about sqrt(n) of them) and the backward pass recomputes one
 segment at a time (at most sqrt(n) blocks' saved tensors), so activation memory grows with
-sqrt(n) instead of n, for one extra forward pass. The budget is ignored.
+sqrt(n) instead of n, for one extra forward pass. The budget is ignored. A segment that spans
+a chain break (``Profile.chain_breaks``: encoder to decoder) is cut there.
 
 Example:
     >>> from gradckpt.profile_types import BlockProfile, Profile
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ..plan import Segment
+from ..plan import Segment, split_at_chain_breaks
 from ..profile_types import Profile
 
 __all__ = ["solve_sqrt"]
@@ -36,7 +37,9 @@ def solve_sqrt(profile: Profile, budget_bytes: int | None) -> list[Segment]:
     if block_count == 0:
         return []
     segment_length = math.isqrt(block_count - 1) + 1  # ceil(sqrt(n)) without float rounding
-    return [
+    segments = [
         Segment(start, min(start + segment_length, block_count) - 1)
         for start in range(0, block_count, segment_length)
     ]
+    # Where the chain breaks (encoder to decoder), a segment must be cut in two.
+    return split_at_chain_breaks(segments, profile)
