@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import tiny_llama
+from hf_models import tiny_clip, tiny_llama
 from torch import nn
 
 import gradckpt
@@ -173,3 +173,47 @@ def test_encoder_decoder_plans_stop_at_the_decoder_and_train_identically() -> No
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True)), strategy
         if budget is not None:
             assert peak <= budget * ALLOWANCE, (strategy, peak, budget, plan.segments)
+
+
+def test_two_towers_are_profiled_in_the_order_they_run() -> None:
+    """CLIP creates its text tower first and runs its vision tower first: find_blocks returns
+    them in creation order, profile in run order, with a break between the towers; a plan then
+    trains exactly as the plain model does."""
+    pytest.importorskip("transformers")
+    generator = torch.Generator().manual_seed(1)
+    sample = {
+        "input_ids": torch.randint(3, 64, (4, 8), generator=generator),
+        "pixel_values": torch.randn(4, 3, 16, 16, generator=generator),
+        "return_loss": True,
+    }
+    model = tiny_clip().train()
+    measured = gradckpt.profile(model, sample, repeats=1)
+    names = [block.name for block in measured.blocks]
+    assert names == [f"vision_model.encoder.layers.{i}" for i in range(2)] + [
+        f"text_model.encoder.layers.{i}" for i in range(2)]
+    assert measured.chain_breaks == [2]
+
+    def clip_step(m: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        m.zero_grad(set_to_none=True)
+        loss = m(**sample).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    plain_loss, plain_grads = clip_step(tiny_clip().train())
+    plan = gradckpt.solve(measured, None, "sqrt")
+    assert [(s.start, s.end) for s in plan.segments] == [(0, 1), (2, 3)]  # one per tower
+    gradckpt.apply(model, plan)
+    loss, grads = clip_step(model)
+    gradckpt.disable(model)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+
+
+def test_blocks_given_out_of_run_order_are_refused() -> None:
+    pytest.importorskip("transformers")
+    model = tiny_clip()
+    sample = {"input_ids": torch.randint(3, 64, (2, 8)),
+              "pixel_values": torch.randn(2, 3, 16, 16), "return_loss": True}
+    created_order = [name for name, _ in gradckpt.find_blocks(model)]
+    with pytest.raises(gradckpt.UsageError, match="in the order they run.*vision_model"):
+        gradckpt.profile(model, sample, blocks=created_order, repeats=1)

@@ -112,7 +112,9 @@ def profile(
         model: the model, as it will be trained (its device, dtype, train/eval mode).
         sample: one batch: a tensor, a tuple of positional arguments or a dict of keywords.
         loss_fn: turns the output into the loss; default ``output.loss`` or ``output.sum()``.
-        blocks: the chain (default: ``gradckpt.find_blocks(model)``); see ``resolve_blocks``.
+        blocks: the chain (default: ``gradckpt.find_blocks(model)``, put in the order the
+            blocks run on ``sample``); see ``resolve_blocks``. Given explicitly, it must be in
+            that order.
         repeats: measured repetitions for every time (the median is kept).
         progress: show a progress bar on stderr once profiling has taken two seconds.
 
@@ -141,7 +143,20 @@ def profile(
         caches_off(model),
         show_progress(steps, "gradckpt: profiling", enabled=progress) as bar,
     ):
-        calls, chain_breaks = _record_block_calls(model, sample, loss_fn, modules)
+        recording = _record_block_calls(model, sample, loss_fn, modules)
+        if recording.order != list(range(len(modules))):
+            ran = [named_blocks[index][0] for index in recording.order]
+            if blocks is not None:
+                raise UsageError(
+                    f"blocks= must list the blocks in the order they run; on this sample they "
+                    f"ran as {ran}"
+                )
+            # Found by structure (stacks in the order they were created: CLIP makes its text
+            # tower first and runs its vision tower first); the cost model needs run order.
+            named_blocks = [named_blocks[index] for index in recording.order]
+            modules = [module for _, module in named_blocks]
+        calls = [recording.calls[index] for index in recording.order]
+        chain_breaks = recording.chain_breaks()
 
         def step() -> None:
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
@@ -243,22 +258,40 @@ class _BlockCall:
         return args, kwargs, hidden
 
 
+@dataclass
+class _Recording:
+    """What one step showed about the blocks: each one's first call (its arguments, and the
+    output it returned), in the order the blocks first ran."""
+
+    calls: dict[int, _BlockCall]
+    inputs: dict[int, list[Any]]  # the leaves of each first call's arguments
+    outputs: dict[int, torch.Tensor | None]
+    order: list[int]
+
+    def chain_breaks(self) -> list[int]:
+        """Positions in ``order`` whose block was not called with the previous one's output
+        (the test ``gradckpt.segments`` applies)."""
+        return [
+            position for position in range(1, len(self.order))
+            if self.outputs.get(self.order[position - 1]) is None
+            or not any(leaf is self.outputs[self.order[position - 1]]
+                       for leaf in self.inputs[self.order[position]])
+        ]
+
+
 def _record_block_calls(
     model: nn.Module, sample: Any, loss_fn: Any, blocks: list[nn.Module]
-) -> tuple[list[_BlockCall], list[int]]:
-    """Each block's first call in one step, and the chain breaks: the blocks whose hidden-state
-    input is not the previous block's output (the test ``gradckpt.segments`` applies)."""
-    calls: dict[int, _BlockCall] = {}
-    inputs: dict[int, list[Any]] = {}
-    outputs: dict[int, torch.Tensor | None] = {}
+) -> _Recording:
+    recording = _Recording({}, {}, {}, [])
 
     def record(index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if index not in calls:  # the first call, if called twice
-            calls[index] = _BlockCall(args, kwargs)
-            inputs[index] = tree_flatten((args, kwargs))[0]
+        if index not in recording.calls:  # the first call, if called twice
+            recording.calls[index] = _BlockCall(args, kwargs)
+            recording.inputs[index] = tree_flatten((args, kwargs))[0]
+            recording.order.append(index)
 
     def record_output(index: int, module: nn.Module, args: tuple, output: Any) -> None:
-        outputs.setdefault(index, _first_tensor(output))
+        recording.outputs.setdefault(index, _first_tensor(output))
 
     hooks = [
         hook
@@ -273,18 +306,13 @@ def _record_block_calls(
     finally:
         for hook in hooks:
             hook.remove()
-    missing = [index for index in range(len(blocks)) if index not in calls]
+    missing = [index for index in range(len(blocks)) if index not in recording.calls]
     if missing:
         raise UsageError(
             f"blocks {missing} did not run in the model's forward pass on this sample; pass "
             "blocks= with the blocks that run, in order"
         )
-    breaks = [
-        index for index in range(1, len(blocks))
-        if not any(leaf is outputs.get(index - 1) for leaf in inputs[index])
-        or outputs.get(index - 1) is None
-    ]
-    return [calls[index] for index in range(len(blocks))], breaks
+    return recording
 
 
 @contextlib.contextmanager
