@@ -98,3 +98,20 @@ def test_policy_inside_another_segment_is_refused() -> None:
 def test_apply_needs_a_plan() -> None:
     with pytest.raises(UsageError, match="needs a gradckpt.Plan"):
         gradckpt.apply(tiny_gpt(), "sqrt")
+
+
+class _Config:
+    use_cache = True
+
+
+@pytest.mark.parametrize("segments", [[], [Segment(0, 1)]], ids=["none", "one-segment"])
+def test_caches_are_off_while_any_plan_is_applied(segments: list[Segment]) -> None:
+    """As profile measured the step: with Hugging Face's use_cache off, for the plan "none" too
+    (a T5 training step holds 1.7% more with it on)."""
+    model = tiny_gpt()
+    model.config = _Config()
+    gradckpt.apply(model, plan_with(segments))
+    assert model.config.use_cache is False
+    gradckpt.disable(model)
+    assert model.config.use_cache is True
+    assert hook_counts(model) == [0] * CONFIG.n_layer
