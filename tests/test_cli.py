@@ -175,6 +175,32 @@ def test_plan_config_json_with_adam(tiny_llama_config):
     assert "with Adam's state" in result.stdout
 
 
+def test_plan_encoder_decoder_config(tmp_path):
+    """A T5 config trains as a sequence-to-sequence model; no segment crosses from the
+    encoder's last block to the decoder's first."""
+    transformers = pytest.importorskip("transformers")
+    transformers.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+    ).save_pretrained(tmp_path / "t5")
+    result = run_gradckpt("plan", str(tmp_path / "t5"), "--batch", "2", "--seq", "16",
+                          "--strategy", "sqrt", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("T5ForConditionalGeneration from")
+    assert "recomputed: segment 0-1" in result.stdout and "recomputed: segment 2-3" in result.stdout
+
+
+def test_a_config_with_no_language_model_is_one_line_error(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64).save_pretrained(tmp_path / "vit")
+    result = run_gradckpt("plan", str(tmp_path / "vit"), "--strategy", "sqrt")
+    assert result.returncode == 1
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "no causal language model for model_type 'vit'" in lines[0]
+    assert "package.module:factory" in lines[0]
+
+
 def test_plan_folder_holding_a_config_in_process(tiny_llama_config, capsys):
     assert main(["plan", str(tiny_llama_config), "--batch", "1", "--seq", "8",
                  "--strategy", "every-layer", "--device", "cpu"]) == 0

@@ -855,13 +855,26 @@ def _from_config_json(path: Path, batch: int, seq: int) -> _Target:
         )
     config = transformers.AutoConfig.for_model(**settings)
     config.use_cache = False  # training: the key/value cache only costs memory
-    model = transformers.AutoModelForCausalLM.from_config(config)  # random weights
+    # Encoder-decoder configs (T5, BART) train as sequence-to-sequence models, the rest as
+    # causal language models; both on input_ids and labels.
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    try:
+        model = auto.from_config(config)  # random weights
+    except ValueError:
+        kind = "sequence-to-sequence" if seq2seq else "causal language"
+        raise ValueError(
+            f"{path}: Transformers has no {kind} model for model_type "
+            f"{settings['model_type']!r}; plan it with package.module:factory (a function "
+            "returning the model and a sample)"
+        ) from None
     name = type(model).__name__
     return _Target(model, _token_sample(model, batch, seq), f"{name} from {path}")
 
 
 def _token_sample(model, batch: int, seq: int) -> dict:
-    """input_ids and labels of shape (batch, seq): what a causal language model trains on."""
+    """input_ids and labels of shape (batch, seq): what a causal language model trains on (a
+    sequence-to-sequence one reads labels as its targets, of the same length here)."""
     import torch
 
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
