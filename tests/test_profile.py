@@ -118,6 +118,7 @@ def test_a_budget_of_every_layers_measured_peak_gets_a_plan() -> None:
     # A checkpointed forward saves nothing: far below the plain forward's peak.
     assert 0 < block.checkpointed_forward_peak_bytes < block.forward_peak_bytes
     assert block.checkpointed_backward_peak_bytes > 0
+    assert block.checkpointed_extra_seconds is not None and block.checkpointed_extra_seconds >= 0
     handle = checkpoint_segments(list(model.transformer.h), flat(LAYOUTS["every-layer"]))
     every_layer = measure_peak_bytes(lambda: model(**sample).backward(), model, sample["idx"])
     handle.remove()

@@ -65,11 +65,13 @@ def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
 
 
 def measured_checkpointed(rng: random.Random) -> dict:
-    """What profile measures of a block checkpointed alone: a forward that saves nothing, and
-    a backward whose recomputation may peak above or below the plain walk's."""
+    """What profile measures of a block checkpointed alone: a forward that saves nothing, a
+    backward whose recomputation may peak above or below the plain walk's, and what the
+    recomputation costs (not its forward time)."""
     return {
         "checkpointed_forward_peak_bytes": rng.randint(0, 20),
         "checkpointed_backward_peak_bytes": rng.randint(0, 60),
+        "checkpointed_extra_seconds": rng.randint(1, 10) * 0.25,
     }
 
 
@@ -283,7 +285,7 @@ def test_every_layer_recomputes_each_block_once() -> None:
         profile = random_profile(500 + seed, 1 + seed)
         plan = solve(profile, None, "every-layer")
         assert [(s.start, s.end) for s in plan.segments] == [(i, i) for i in range(1 + seed)]
-        expected = sum(block.forward_seconds for block in profile.blocks)
+        expected = sum(block.recompute_seconds() for block in profile.blocks)
         assert plan.predicted_extra_seconds == pytest.approx(expected)
 
 

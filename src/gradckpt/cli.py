@@ -631,12 +631,14 @@ def _sqrt_rows(size: DemoSize, seed: int) -> tuple[Any, list[_DepthRow]]:
     for depth in with_progress(size.depths, solving):
         chain = homogeneous_chain(block, depth)
         plans = sqrt_plans(chain)
-        chain_forward_seconds = depth * block.forward_seconds
+        # In extra forward passes: one pass recomputes every block once.
+        chain_recompute_seconds = depth * block.recompute_seconds()
         memory, extra = {}, {}
         for name, plan in plans.items():
             chain_peak, extra_seconds = simulate(chain, plan.segments)
             memory[name] = chain_peak / block.saved_bytes
-            extra[name] = extra_seconds / chain_forward_seconds if chain_forward_seconds else 0.0
+            extra[name] = (extra_seconds / chain_recompute_seconds
+                           if chain_recompute_seconds else 0.0)
         measured = {}
         if depth <= size.measured_depth:
             measured = _measured_memory(block, depth, plans, size, seed)

@@ -22,8 +22,9 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   ``gradient_bytes``: gradients start the step as None, as after ``zero_grad()``); then its s_i
   is released;
 - backward, segment: its blocks run forward again (the children plan applies, with the incoming
-  gradient x_(e+1) and the parameter gradients made so far alive), costing their forward time,
-  then their backward as above; then x_s is released. A one-block segment's backward peak is
+  gradient x_(e+1) and the parameter gradients made so far alive), costing their
+  ``recompute_seconds()`` (measured checkpointed, or their forward time), then their backward
+  as above; then x_s is released. A one-block segment's backward peak is
   what ``profile`` measured for that block checkpointed alone
   (``checkpointed_backward_peak_bytes``), where measured. A segment with a policy keeps its
   blocks' matmul outputs from the first forward and recomputes only the rest; a one-block
@@ -304,7 +305,7 @@ class _Walk:
                 policy_blocks = frozenset(_policy_blocks(item)) if item.policy else frozenset()
                 self.extra_seconds += sum(
                     self.blocks[j].policy_recompute_seconds() if j in policy_blocks
-                    else self.blocks[j].forward_seconds
+                    else self.blocks[j].recompute_seconds()
                     for j in item.blocks()
                 )
                 measured = _measured_backward_peak(self.blocks, item)

@@ -527,7 +527,14 @@ def _measure_block(
         out.backward(torch.ones_like(out))
 
     forward_seconds = _median_seconds(forward_only, repeats, device)
-    both_seconds = _median_seconds(forward_and_backward, repeats, device)
+    # Plain, checkpointed and under the policy, in turn: what checkpointing adds is a
+    # difference of times taken a moment apart, not minutes.
+    plain_times, checkpointed_extra, policy_extra = _interleaved_seconds(
+        [forward_and_backward, _checkpointed_step(block, call, None),
+         _checkpointed_step(block, call, POLICY)],
+        repeats, device,
+    )
+    both_seconds = statistics.median(plain_times)
     pace = 1.0
     if forward_in_step is not None and forward_seconds > 0:
         pace = forward_in_step / forward_seconds
@@ -539,7 +546,6 @@ def _measure_block(
     policy_forward_peak, policy_backward_peak = _checkpointed_peaks(
         block, call, device, policy=POLICY
     )
-    policy_seconds = _checkpointed_seconds(block, call, repeats, device, policy=POLICY)
     return BlockProfile(
         name=name,
         input_bytes=_nbytes(hidden),
@@ -559,10 +565,11 @@ def _measure_block(
         gradient_bytes=gradient_bytes,
         policy_forward_peak_bytes=policy_forward_peak,
         policy_backward_peak_bytes=policy_backward_peak,
-        # Never below zero: a policy run faster than the plain block is timing noise.
-        policy_extra_seconds=max(policy_seconds - both_seconds, 0.0) * pace,
+        # Never below zero: a checkpointed run faster than the plain block is timing noise.
+        policy_extra_seconds=max(statistics.median(policy_extra), 0.0) * pace,
         checkpointed_forward_peak_bytes=checkpointed_forward_peak,
         checkpointed_backward_peak_bytes=checkpointed_backward_peak,
+        checkpointed_extra_seconds=max(statistics.median(checkpointed_extra), 0.0) * pace,
     )
 
 
@@ -596,20 +603,31 @@ def _checkpointed_peaks(
     return forward_peak, backward_peak
 
 
-def _checkpointed_seconds(
-    block: nn.Module, call: _BlockCall, repeats: int, device: torch.device, policy: str | None
-) -> float:
-    """Seconds of the block's forward and backward, checkpointed on its own under ``policy``
-    (its per-operation dispatch included)."""
+def _checkpointed_step(
+    block: nn.Module, call: _BlockCall, policy: str | None
+) -> Callable[[], None]:
+    """The block's forward and backward, checkpointed on its own under ``policy`` (engine,
+    recomputation and the policy's per-operation dispatch included)."""
 
     def forward_and_backward() -> None:
         args, kwargs, _ = call.fresh()
         out = _block_output(checkpoint(block, *args, policy=policy, **kwargs))
         out.backward(torch.ones_like(out))
 
-    seconds = _median_seconds(forward_and_backward, repeats, device)
-    block.zero_grad(set_to_none=True)
-    return seconds
+    return forward_and_backward
+
+
+def _interleaved_seconds(
+    fns: list[Callable[[], Any]], repeats: int, device: torch.device
+) -> tuple[list[float], ...]:
+    """The first function's times, then each other one's time minus the first's in the same
+    round: ``repeats`` rounds running each function once, in turn."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, slot in zip(fns, times, strict=True):
+            slot.append(_median_seconds(fn, 1, device))
+    first = times[0]
+    return first, *([t - f for t, f in zip(other, first, strict=True)] for other in times[1:])
 
 
 class _OpTimer(TorchDispatchMode):

@@ -60,6 +60,9 @@ class BlockProfile:
       (nothing saved: far below ``forward_peak_bytes``), and its backward's peak, the
       recomputation included, above what exists when that starts (its input and the incoming
       gradient). ``None``: bounded from the plain numbers.
+    - ``checkpointed_extra_seconds``: how much longer its forward and backward take checkpointed
+      alone than plain: its recomputation as the engine runs it (about 1.1x its forward on a
+      CPU, for gradckpt and ``torch.utils.checkpoint`` alike). ``None``: ``forward_seconds``.
     """
 
     name: str
@@ -81,6 +84,21 @@ class BlockProfile:
     policy_extra_seconds: float | None = None
     checkpointed_forward_peak_bytes: int | None = None
     checkpointed_backward_peak_bytes: int | None = None
+    checkpointed_extra_seconds: float | None = None
+
+    def recompute_seconds(self) -> float:
+        """Extra seconds each time a segment recomputes this block: measured, or its forward.
+
+        Example:
+            >>> BlockProfile("h.0", 1, 1, 1, True, 2.0, 3.0).recompute_seconds()
+            2.0
+            >>> BlockProfile("h.0", 1, 1, 1, True, 2.0, 3.0,
+            ...              checkpointed_extra_seconds=2.2).recompute_seconds()
+            2.2
+        """
+        if self.checkpointed_extra_seconds is None:
+            return self.forward_seconds
+        return self.checkpointed_extra_seconds
 
     def policy_recompute_seconds(self) -> float:
         """Extra seconds of this block checkpointed under ``"save-matmuls"``: measured, or its
@@ -217,7 +235,7 @@ def _inconsistency(block: BlockProfile) -> str | None:
             return f"{name} is negative ({getattr(block, name)})"
     for name in ("policy_forward_peak_bytes", "policy_backward_peak_bytes",
                  "policy_extra_seconds", "checkpointed_forward_peak_bytes",
-                 "checkpointed_backward_peak_bytes"):
+                 "checkpointed_backward_peak_bytes", "checkpointed_extra_seconds"):
         if (getattr(block, name) or 0) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     if block.input_saved and block.saved_bytes < block.input_bytes:

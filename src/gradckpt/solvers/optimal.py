@@ -242,7 +242,7 @@ class _Chain:
             hidden = 0 if j == s else block.input_bytes
             transient = max(transient, hidden + block.segment_forward_peak_bytes())
             policy_transient = max(policy_transient, hidden + block.forward_peak_bytes)
-            seconds += block.forward_seconds
+            seconds += block.recompute_seconds()
             matmul_bytes += block.matmul_bytes
             policy_seconds += block.policy_recompute_seconds()
             # Recomputed under the policy, every block is kept, minus its already kept matmuls.
