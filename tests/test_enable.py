@@ -14,6 +14,7 @@ import gradckpt
 from gradckpt import BudgetError
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
+from gradckpt.plan import Segment, simulate
 from gradckpt.solvers.optimal import minimum_peak_bytes
 
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=64, dropout=0.1)
@@ -217,3 +218,18 @@ def test_blocks_given_out_of_run_order_are_refused() -> None:
     created_order = [name for name, _ in gradckpt.find_blocks(model)]
     with pytest.raises(gradckpt.UsageError, match="in the order they run.*vision_model"):
         gradckpt.profile(model, sample, blocks=created_order, repeats=1)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_optimal_never_loses_to_every_kth_layer_at_its_own_peak(k: int) -> None:
+    """Users measure Transformers' every-n-layers layouts and ask for a plan within that peak.
+    On a 4-layer TinyGPT, every 2nd layer peaks as low as every layer; at exactly that budget
+    the rounded tables hid it, and optimal answered every layer (twice the recomputation)."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=32))
+    idx = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    measured = gradckpt.profile(model, {"idx": idx, "targets": idx}, repeats=1)
+    layout = [Segment(i, i) for i in range(0, 4, k)]
+    peak, seconds = simulate(measured, layout)
+    plan = gradckpt.solve(measured, measured.fixed_bytes + peak, "optimal")
+    assert plan.predicted_extra_seconds <= seconds + 1e-12, plan.segments

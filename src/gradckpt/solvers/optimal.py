@@ -28,8 +28,9 @@ it once more).
 With 1-byte units the answer is the exact optimum, which the tests check against brute force;
 with larger ones it is at least as fast as the exact optimum for a room smaller by (2n + 1)
 units (a peak adds up at most 2n + 1 rounded sizes). Because rounding can hide plans that
-fit by a hair, two exactly-checked candidates join the table's answer: Chen's greedy plans
-(``chen-greedy``: every-layer, every k-th block on uniform chains, ...) and, near the lowest
+fit by a hair, exactly-checked candidates join the table's answer: Chen's greedy plans
+(``chen-greedy``: every-layer, every k-th block on uniform chains, ...), every k-th block
+checkpointed alone (the layouts users measure and then ask to fit) and, near the lowest
 reachable peak, the plan of least peak from an exact DP in bytes. So ``optimal`` is never slower
 than ``chen-greedy``, and a budget of exactly ``minimum_peak_bytes`` always works. Measured on
 2 CPU cores: a 100-block chain solves in about half a second (``python bench/solvers.py``).
@@ -57,7 +58,10 @@ from ..plan import Segment, gradients_after, simulate
 from ..profile_types import BlockProfile, Profile
 from .chen_greedy import solve_chen_greedy
 
-__all__ = ["solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "POLICY"]
+__all__ = [
+    "solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "every_kth_block",
+    "POLICY",
+]
 
 # The op-level preset the DP may put on a segment without children.
 POLICY = "save-matmuls"
@@ -126,8 +130,10 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
         candidates.append(tables.best_plan())
         if tables.unit > 1:
             # Rounding can hide a plan that fits by a few units: Chen's greedy candidates
-            # (every-layer, every k-th on a uniform chain, ...) cost little to check exactly.
+            # (every-layer, every k-th on a uniform chain, ...) and every k-th block alone (the
+            # layouts users measure and then ask to fit) cost little to check exactly.
             candidates.append(solve_chen_greedy(profile, budget_bytes))
+            candidates.extend(every_kth_block(profile))
     lowest = None
     if tables is None or candidates[0] is None or tables.may_miss_lowest_peak_plan():
         lowest = _LowestPeak(profile).plan()
@@ -142,6 +148,20 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
         # nothing fits: the plan of lowest peak, for solve()'s BudgetError
         return lowest if lowest is not None else _LowestPeak(profile).plan()
     return min(fitting, key=lambda entry: entry[:2])[2]
+
+
+def every_kth_block(profile: Profile) -> list[list[Segment]]:
+    """Blocks 0, k, 2k, ... each checkpointed alone, for k = 1..n: Transformers'
+    every-n-layers layouts.
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> [[s.start for s in plan] for plan in every_kth_block(Profile(blocks, 0, 0, 1.0))]
+        [[0, 1, 2, 3], [0, 2], [0, 3], [0]]
+    """
+    n = len(profile.blocks)
+    return [[Segment(i, i) for i in range(0, n, k)] for k in range(1, n + 1)]
 
 
 @contextlib.contextmanager
