@@ -70,7 +70,10 @@ How to read the output:
   gradckpt's measured peak is at most the anchor's and the anchor's extra time is above the noise
   floor. Below 1: gradckpt recomputes less for the same memory. "Never worse" holds for an
   anchor when the ratio is at most 1.05 or gradckpt's extra time exceeds the anchor's by no more
-  than the noise floor (a gap that two identical contenders show). The last line is the verdict
+  than the noise floor (a gap that two identical contenders show), the excess taken round by
+  round ("paired gap": the median over rounds of the difference of the two time/none ratios,
+  which cancels each round's drift; the ratio of two medians does not, and once put two
+  layouts recomputing the same four blocks at +0.158 and +0.256). The last line is the verdict
   (prediction counts both ways: against the allowed error, and against 15% alone); the exit
   status is 0 whatever it says.
 """
@@ -80,6 +83,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import shlex
 import statistics
@@ -102,8 +106,8 @@ from gradckpt.policies import is_matmul_or_attention
 PEAK_ERROR_TARGET = 0.05  # |predicted - measured| / measured peak
 EXTRA_TIME_ERROR_TARGET = 0.15  # |predicted - measured| / measured extra time, or the floor
 # "Worse" takes both: an extra-time ratio above 1 + NEVER_WORSE_SLACK, and gradckpt's extra
-# time above the anchor's by more than the noise floor (a gap the do-nothing contender shows
-# between two identical runs cannot tell the plans apart).
+# time above the anchor's, paired by round, by more than the noise floor (a gap the do-nothing
+# contender shows between two identical runs cannot tell the plans apart).
 NEVER_WORSE_SLACK = 0.05
 CLEARLY_BETTER = 0.8  # extra-time ratio counted as "clearly better"
 CONTROL = "none again (control)"  # the do-nothing contender when that plan does checkpoint
@@ -500,7 +504,7 @@ class FrontierRow:
     anchor: str
     text: str  # the row's comparison, or why there is none
     ratio: float | None  # gradckpt extra / anchor extra, when comparable
-    gap: float = 0.0  # gradckpt's extra time minus the anchor's
+    gap: float = 0.0  # gradckpt's extra time minus the anchor's, paired by round (median)
 
 
 def frontier_rows(
@@ -536,11 +540,22 @@ def frontier_rows(
             )
             rows.append(FrontierRow(anchor.name, text, None))
         else:
-            text = f"{extra_text}; {memory}; {time_text}"
-            rows.append(
-                FrontierRow(anchor.name, text, ratio, extras[found.name] - extras[anchor.name])
-            )
+            gap = paired_gap(found.name, anchor.name, timings)
+            text = f"{extra_text}; paired gap {gap:+.3f}; {memory}; {time_text}"
+            rows.append(FrontierRow(anchor.name, text, ratio, gap))
     return rows
+
+
+def paired_gap(ours: str, anchor: str, timings: _common.BracketedTimings) -> float:
+    """Median over rounds of gradckpt's time/none minus the anchor's in the same round: how
+    much more extra time gradckpt takes, each round's drift cancelled (the difference of the
+    two medians is not: two equal-work layouts once measured +0.158 and +0.256 that way)."""
+    mine = timings.ratios_by_round(ours)
+    theirs = timings.ratios_by_round(anchor)
+    shared = sorted(mine.keys() & theirs.keys())
+    if not shared:
+        return math.inf
+    return statistics.median(mine[index] - theirs[index] for index in shared)
 
 
 def step_time_text(ours: str, anchor: str, timings: _common.BracketedTimings) -> str:
