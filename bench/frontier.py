@@ -546,28 +546,33 @@ def frontier_rows(
     return rows
 
 
+def paired_rounds(
+    ours: str, anchor: str, timings: _common.BracketedTimings
+) -> list[tuple[float, float]]:
+    """(gradckpt's time/none, the anchor's) in each round where both were undisturbed; the
+    reference "none" is 1 in every round."""
+    mine = timings.ratios_by_round(ours)
+    if anchor == timings.reference:
+        return [(ratio, 1.0) for ratio in mine.values()]
+    theirs = timings.ratios_by_round(anchor)
+    return [(mine[index], theirs[index]) for index in sorted(mine.keys() & theirs.keys())]
+
+
 def paired_gap(ours: str, anchor: str, timings: _common.BracketedTimings) -> float:
     """Median over rounds of gradckpt's time/none minus the anchor's in the same round: how
     much more extra time gradckpt takes, each round's drift cancelled (the difference of the
     two medians is not: two equal-work layouts once measured +0.158 and +0.256 that way)."""
-    mine = timings.ratios_by_round(ours)
-    theirs = timings.ratios_by_round(anchor)
-    shared = sorted(mine.keys() & theirs.keys())
-    if not shared:
+    pairs = paired_rounds(ours, anchor, timings)
+    if not pairs:
         return math.inf
-    return statistics.median(mine[index] - theirs[index] for index in shared)
+    return statistics.median(mine - theirs for mine, theirs in pairs)
 
 
 def step_time_text(ours: str, anchor: str, timings: _common.BracketedTimings) -> str:
     """gradckpt's step time / the anchor's, per round (each measured against "none" there)."""
     if ours == anchor:
         return "the same contender"
-    mine = timings.ratios_by_round(ours)
-    if anchor == timings.reference:
-        ratios = list(mine.values())
-    else:
-        theirs = timings.ratios_by_round(anchor)
-        ratios = [mine[index] / theirs[index] for index in sorted(mine.keys() & theirs.keys())]
+    ratios = [mine / theirs for mine, theirs in paired_rounds(ours, anchor, timings)]
     if not ratios:
         return "step time gradckpt/anchor: no round where both were undisturbed"
     paired = _common.summarize_ratios(ratios)
