@@ -185,13 +185,12 @@ def profile(
                 name, module, call, repeats, device, gradient_bytes, forward_in_step
             ))
             bar.update()
-    measured_profile = _assemble(measured, memory, step_seconds, device)
-    measured_profile.chain_breaks = chain_breaks
-    return measured_profile
+    return _assemble(measured, memory, step_seconds, device, chain_breaks)
 
 
 def _assemble(
-    blocks: list[BlockProfile], memory: _StepMemory, step_seconds: float, device: torch.device
+    blocks: list[BlockProfile], memory: _StepMemory, step_seconds: float, device: torch.device,
+    chain_breaks: list[int],
 ) -> Profile:
     """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them."""
     fixed = memory.start
@@ -205,6 +204,7 @@ def _assemble(
         head_bytes=max(0, memory.highest["head"] - fixed - retained),
         head_gradient_bytes=_head_leftovers(blocks, memory, fixed, retained),
         other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
+        chain_breaks=chain_breaks,
     )
     predicted = fixed + simulate(measured, [])[0]
     measured.notes["chain_backward_start_bytes"] = memory.chain_backward_start
