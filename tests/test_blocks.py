@@ -2,6 +2,7 @@
 
 Hugging Face models are built from tiny configs with random weights. Execution order is checked
 by running them: forward pre-hooks on the returned blocks must fire in the returned order.
+Where creation order and run order differ (CLIP), find_blocks needs a sample to run the model on.
 """
 
 from __future__ import annotations
@@ -137,9 +138,8 @@ def test_hf_models_give_their_layers(hf_case) -> None:
     assert all(module is modules[name] for name, module in blocks)
 
 
-def test_hf_blocks_come_in_execution_order(hf_case) -> None:
-    model, _, run = hf_case
-    blocks = find_blocks(model)
+def blocks_in_the_order_they_run(blocks: list[tuple[str, nn.Module]], run) -> list[str]:
+    """The names of ``blocks`` in the order their forward pre-hooks fire while ``run()`` runs."""
     calls: list[str] = []
     handles = [
         module.register_forward_pre_hook(lambda _module, _args, name=name: calls.append(name))
@@ -147,30 +147,222 @@ def test_hf_blocks_come_in_execution_order(hf_case) -> None:
     ]
     try:
         with torch.no_grad():
-            run(model)
+            run()
     finally:
         for handle in handles:
             handle.remove()
-    assert calls == [name for name, _ in blocks]
+    return calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known gap: stacks come in the order they are created, and CLIP creates its text "
-    "tower first but runs its vision tower first; only running the model can tell (profile "
-    "does, and reorders: tests/test_enable.py)",
-)
-def test_clip_towers_come_in_execution_order() -> None:
-    model = tiny_clip(VOCAB).eval()
+def names(blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    return [name for name, _ in blocks]
+
+
+def test_hf_blocks_come_in_execution_order(hf_case) -> None:
+    model, _, run = hf_case
     blocks = find_blocks(model)
-    calls: list[str] = []
-    for name, module in blocks:
-        module.register_forward_pre_hook(lambda _module, _args, name=name: calls.append(name))
+    assert blocks_in_the_order_they_run(blocks, lambda: run(model)) == names(blocks)
+
+
+CLIP_TEXT_LAYERS = [f"text_model.encoder.layers.{i}" for i in range(2)]
+CLIP_VISION_LAYERS = [f"vision_model.encoder.layers.{i}" for i in range(2)]
+
+
+def clip_sample() -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.randint(3, VOCAB, (2, 8)),
+        "pixel_values": torch.randn(2, 3, 16, 16),
+    }
+
+
+def test_clip_without_a_sample_gives_its_towers_in_creation_order() -> None:
+    # Rule 4: structure alone gives the order of creation, text tower first, although CLIP
+    # runs its vision tower first; a sample is what fixes that (next test).
+    assert names(find_blocks(tiny_clip(VOCAB))) == CLIP_TEXT_LAYERS + CLIP_VISION_LAYERS
+
+
+def test_clip_towers_come_in_execution_order_with_a_sample() -> None:
+    model = tiny_clip(VOCAB).eval()
+    sample = clip_sample()
+    blocks = find_blocks(model, sample=sample)
+    assert names(blocks) == CLIP_VISION_LAYERS + CLIP_TEXT_LAYERS
+    assert blocks_in_the_order_they_run(blocks, lambda: model(**sample)) == names(blocks)
+    modules = dict(model.named_modules())
+    assert all(module is modules[name] for name, module in blocks)
+
+
+def test_tiny_gpt_order_is_unchanged_by_a_sample() -> None:
+    model = TinyGPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16))
+    idx = torch.randint(0, 512, (2, 16))
+    expected = find_blocks(model)
+    assert find_blocks(model, sample=idx) == expected
+    assert find_blocks(model, sample=(idx,)) == expected
+    assert find_blocks(model, sample={"idx": idx, "targets": idx}) == expected
+
+
+class Counter(nn.Module):
+    """Counts its calls in a buffer that it replaces (as some rotary embeddings do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return x
+
+
+class StatefulChain(nn.Module):
+    """Layers whose forward changes state even without grad: BatchNorm, dropout, a counter.
+
+    With ``fail`` set, the forward pass raises after the first layer has run.
+    """
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.counter = Counter()
+        self.layers = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Dropout(0.5))
+                for _ in range(depth)
+            ]
+        )
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.counter(x)
+        for layer in self.layers:
+            x = layer(x)
+            if self.fail:
+                raise RuntimeError("forward failed on purpose")
+        return x
+
+
+def snapshot(model: nn.Module) -> dict:
+    """What a forward pass could change, to compare before and after."""
+    return {
+        "state": {name: tensor.clone() for name, tensor in model.state_dict().items()},
+        "buffer_ids": [id(buffer) for buffer in model.buffers()],
+        "grads": [parameter.grad for parameter in model.parameters()],
+        "training": [module.training for module in model.modules()],
+        "cpu_rng": torch.get_rng_state(),
+    }
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    assert before["state"].keys() == after["state"].keys()
+    for name, tensor in before["state"].items():
+        assert torch.equal(tensor, after["state"][name]), name
+    assert before["buffer_ids"] == after["buffer_ids"]
+    assert before["grads"] == after["grads"]
+    assert before["training"] == after["training"]
+    assert torch.equal(before["cpu_rng"], after["cpu_rng"])
+
+
+def no_forward_hooks(model: nn.Module) -> bool:
+    return all(
+        not module._forward_pre_hooks and not module._forward_hooks for module in model.modules()
+    )
+
+
+def test_find_blocks_with_a_sample_leaves_the_model_and_rng_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = StatefulChain().train()
+    sample = torch.randn(4, 8)
+    before = snapshot(model)
+    assert names(find_blocks(model, sample=sample)) == ["layers.0", "layers.1", "layers.2"]
+    assert_same_state(before, snapshot(model))
+    assert no_forward_hooks(model)
+
+    # Not a vacuous check: the same forward pass on its own does change all of it.
     with torch.no_grad():
-        model(input_ids=torch.randint(3, VOCAB, (2, 8)), pixel_values=torch.randn(2, 3, 16, 16))
-    assert len(calls) == 4
-    assert calls == [name for name, _ in blocks]
+        model(sample)
+    after_a_plain_run = snapshot(model)
+    running_mean = "layers.0.1.running_mean"
+    assert not torch.equal(before["state"][running_mean], after_a_plain_run["state"][running_mean])
+    assert model.counter.calls.item() == 1
+    assert before["buffer_ids"] != after_a_plain_run["buffer_ids"]  # the counter replaced its own
+    assert not torch.equal(before["cpu_rng"], after_a_plain_run["cpu_rng"])
+
+
+@pytest.mark.cuda
+def test_find_blocks_with_a_sample_puts_the_cuda_rng_back() -> None:
+    model = StatefulChain().train().cuda()
+    sample = torch.randn(4, 8, device="cuda")
+    before = torch.cuda.get_rng_state()
+    find_blocks(model, sample=sample)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    model(sample)  # dropout on the GPU draws from the CUDA generator
+    assert not torch.equal(torch.cuda.get_rng_state(), before)
+
+
+def test_find_blocks_with_a_sample_removes_its_hooks_and_keeps_the_users() -> None:
+    model = StatefulChain().eval()
+    user_hook = model.layers[1].register_forward_pre_hook(lambda _module, _args: None)
+    find_blocks(model, sample=torch.randn(4, 8))
+    assert list(model.layers[1]._forward_pre_hooks) == [user_hook.id]
+    user_hook.remove()
+    assert no_forward_hooks(model)
+
+
+def test_a_forward_that_raises_leaves_no_hooks_and_no_state_behind() -> None:
+    torch.manual_seed(0)
+    model = StatefulChain().train()
+    model.fail = True
+    sample = torch.randn(4, 8)  # drawn before the snapshot of the RNG state
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="forward failed on purpose"):
+        find_blocks(model, sample=sample)
+    assert no_forward_hooks(model)
+    assert_same_state(before, snapshot(model))
+
+
+def test_a_sample_of_the_wrong_type_leaves_no_hooks_behind() -> None:
+    model = StatefulChain()
+    with pytest.raises(gradckpt.UsageError, match="sample must be a tensor"):
+        find_blocks(model, sample=3)
+    assert no_forward_hooks(model)
+
+
+class SkipsItsLastLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](x))  # layers 2 and 3 never run
+
+
+def test_blocks_that_do_not_run_on_the_sample_are_named() -> None:
+    model = SkipsItsLastLayers()
+    with pytest.raises(gradckpt.UsageError) as error:
+        find_blocks(model, sample=torch.randn(2, 4))
+    message = str(error.value)
+    assert "blocks ['layers.2', 'layers.3'] did not run in the model's forward pass" in message
+    assert "give a sample that runs them all" in message
+    assert "blocks=[model.encoder, model.decoder]" in message  # how to pass blocks= yourself
+    assert no_forward_hooks(model)
+
+
+class RunsItsLayersBackwards(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = layer(x)
+        return x
+
+
+def test_a_sample_reorders_blocks_within_a_stack_too() -> None:
+    model = RunsItsLayersBackwards()
+    assert names(find_blocks(model)) == ["layers.0", "layers.1", "layers.2"]
+    assert names(find_blocks(model, sample=torch.randn(2, 4))) == [
+        "layers.2",
+        "layers.1",
+        "layers.0",
+    ]
 
 
 def test_find_blocks_is_exported_from_gradckpt() -> None:

@@ -21,8 +21,10 @@ models hold that chain in one container, so ``find_blocks`` looks for it there:
    their modules were created in ``__init__``. In Hugging Face encoder-decoder models that is
    the execution order, encoder first (the tests check it by running the models). Nothing but
    running the model can tell the order of stacks that are not one after another in the code:
-   CLIP creates its text tower first but runs its vision tower first (a known gap, marked in
-   the tests); when in doubt, check with forward pre-hooks or pass ``blocks=``.
+   CLIP creates its text tower first but runs its vision tower first. Given a ``sample``,
+   ``find_blocks`` runs the forward pass once without grad, with a forward pre-hook on each
+   block, and returns the blocks in the order they first ran; the model's buffers and the RNG
+   state are put back afterwards. A block that does not run on the sample raises ``UsageError``.
 5. No stack, but the model itself is an ``nn.Sequential`` of 2 or more children of different
    classes (``Linear, ReLU, Linear``): its children are the chain, since a Sequential runs them
    one after another by definition.
@@ -42,11 +44,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Iterator
+from typing import Any
 
+import torch
 from torch import nn
 
+from .caches import caches_off
 from .errors import UsageError
 
 __all__ = ["find_blocks", "resolve_blocks"]
@@ -65,11 +72,18 @@ _HOW_TO_PASS_BLOCKS = (
 )
 
 
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def find_blocks(model: nn.Module, sample: Any = None) -> list[tuple[str, nn.Module]]:
     """The model's chain of repeated blocks, as ``(qualified_name, module)`` in execution order.
 
     Names are as in ``model.named_modules()``. How the chain is found is described at the top of
     this module; a model without one raises ``UsageError`` explaining how to pass ``blocks=``.
+
+    Without ``sample``, stacks come in the order they were created (rule 4). With ``sample``
+    (a tensor, a tuple of positional arguments or a dict of keywords, as ``gradckpt.profile``
+    takes it), the model runs its forward pass on it once under ``torch.no_grad()`` and the
+    blocks come in the order they first ran. The run leaves no trace: buffers (BatchNorm's
+    running statistics) and the CPU and CUDA RNG state are put back, hooks removed and Hugging
+    Face caches off. Blocks that do not run on the sample raise ``UsageError``, naming them.
 
     Example:
         >>> import torch
@@ -80,6 +94,17 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         ...     torch.nn.TransformerEncoderLayer(16, 2), num_layers=2, enable_nested_tensor=False)
         >>> [name for name, _ in find_blocks(encoder)]
         ['layers.0', 'layers.1']
+        >>> class TwoTowers(torch.nn.Module):  # like CLIP: text made first, vision run first
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.text = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        ...         self.vision = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        ...     def forward(self, x):
+        ...         return self.text(self.vision(x))
+        >>> [name for name, _ in find_blocks(TwoTowers())]
+        ['text.0', 'text.1', 'vision.0', 'vision.1']
+        >>> [name for name, _ in find_blocks(TwoTowers(), sample=torch.ones(2, 4))]
+        ['vision.0', 'vision.1', 'text.0', 'text.1']
         >>> find_blocks(torch.nn.Linear(4, 4))
         Traceback (most recent call last):
         ...
@@ -87,7 +112,14 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"find_blocks() needs a torch.nn.Module, got {type(model).__name__}")
+    blocks = _blocks_by_structure(model)
+    if sample is None:
+        return blocks
+    return _in_run_order(model, blocks, sample)
 
+
+def _blocks_by_structure(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Rules 1-5 of the module docstring: the chain, stacks in creation order."""
     stacks = _outermost_stacks(model)
     if stacks:
         main_name, main_stack = max(stacks, key=lambda item: _parameter_count(item[1]))
@@ -274,3 +306,69 @@ def _module_by_name(model: nn.Module, name: str, *, what: str) -> nn.Module:
         f"{what} is not a submodule of {type(model).__name__}; {hint} "
         f"(names as in model.named_modules())"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Run order (find_blocks with a sample)
+# --------------------------------------------------------------------------------------------
+
+
+def _in_run_order(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], sample: Any
+) -> list[tuple[str, nn.Module]]:
+    """``blocks`` sorted by when each first ran in one forward pass of ``model`` on ``sample``."""
+    from .profile import run_model  # profile imports this module: import it only when needed
+
+    first_call: dict[int, int] = {}  # block index -> how many blocks had run before it
+
+    def note(index: int, _module: nn.Module, _args: tuple) -> None:
+        first_call.setdefault(index, len(first_call))  # a block called again keeps its place
+
+    handles = []
+    try:
+        for index, (_, module) in enumerate(blocks):
+            handles.append(module.register_forward_pre_hook(functools.partial(note, index)))
+        with _state_put_back(model), caches_off(model), torch.no_grad():
+            run_model(model, sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    missing = [name for index, (name, _) in enumerate(blocks) if index not in first_call]
+    if missing:
+        raise UsageError(
+            f"find_blocks(): blocks {missing} did not run in the model's forward pass on this "
+            f"sample, so their place in the chain is unknown; give a sample that runs them all, "
+            f"or {_HOW_TO_PASS_BLOCKS}"
+        )
+    # sorted() is stable, and ties cannot happen: every block that ran has its own index
+    order = sorted(range(len(blocks)), key=first_call.__getitem__)
+    return [blocks[index] for index in order]
+
+
+@contextlib.contextmanager
+def _state_put_back(model: nn.Module) -> Iterator[None]:
+    """Put back what a forward pass without grad can change: buffers and RNG state.
+
+    Why: in train mode BatchNorm updates its running statistics even under ``no_grad``, and
+    dropout draws random numbers; asking for the order of the blocks must not change training.
+    A module that replaces a buffer (``self.inv_freq = ...``) gets its old tensor back.
+    """
+    buffers = [
+        (module, name, buffer, buffer.detach().clone())
+        for module in model.modules()
+        for name, buffer in module.named_buffers(recurse=False)
+    ]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, saved in buffers:
+                buffer.copy_(saved)
+                if getattr(module, name, None) is not buffer:
+                    setattr(module, name, buffer)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
