@@ -51,3 +51,39 @@ def tiny_clip(vocab_size: int = 64) -> nn.Module:
     )
     torch.manual_seed(0)
     return transformers.CLIPModel(config)
+
+
+def tiny_t5(layers: int = 2, vocab_size: int = 128) -> nn.Module:
+    """A seeded T5ForConditionalGeneration, ``layers`` encoder and decoder blocks, dropout off
+    (its memory is what the tests look at)."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=vocab_size, d_model=64, num_layers=layers, num_decoder_layers=layers,
+        num_heads=4, d_kv=16, d_ff=128, decoder_start_token_id=0, dropout_rate=0.0,
+    )
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config).train()
+
+
+def tiny_bart(layers: int = 2, vocab_size: int = 128) -> nn.Module:
+    """A seeded BartForConditionalGeneration, ``layers`` encoder and decoder layers."""
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=vocab_size, d_model=64, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, dropout=0.0,
+    )
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(config).train()
+
+
+def seq2seq_sample(vocab_size: int = 128, source: int = 24, target: int = 16) -> dict:
+    """Four source sequences and their labels (the decoder's inputs are derived from them)."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "input_ids": torch.randint(3, vocab_size, (4, source), generator=generator),
+        "labels": torch.randint(3, vocab_size, (4, target), generator=generator),
+    }

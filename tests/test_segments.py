@@ -204,6 +204,53 @@ def test_single_block_segments_work_with_work_between_blocks() -> None:
     assert all(torch.equal(a, b) for a, b in zip(actual, expected, strict=True))
 
 
+class CrossAttending(nn.Module):
+    """Block 1 reads block 0's output only as context, its hidden state is its own (a BART
+    decoder layer reads the encoder's output as ``encoder_hidden_states``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Mixer() for _ in range(2))
+        self.start = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.blocks[0](x, context=x)
+        return self.blocks[1](self.start * 1.0, context=memory)
+
+
+class Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x) + context)
+
+
+def test_a_block_taking_the_previous_output_as_context_only_breaks_the_chain() -> None:
+    model = CrossAttending()
+    checkpoint_segments(list(model.blocks), [(0, 1)])
+    with pytest.raises(UsageError, match="not called with the output of block 0"):
+        model(torch.randn(2, 4, requires_grad=True))
+    assert hooks_on_top() is None
+
+
+def test_the_previous_output_passed_twice_is_replayed_in_both_places() -> None:
+    # Block 0 gets x as hidden state and as context: both are the chain's input.
+    plain, model = CrossAttending(), CrossAttending()
+    model.load_state_dict(plain.state_dict())
+
+    def chain(m: CrossAttending, x: torch.Tensor) -> torch.Tensor:
+        hidden = m.blocks[0](x, context=x)
+        return m.blocks[1](hidden, context=hidden)
+
+    checkpoint_segments(list(model.blocks), [(0, 1)])
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = torch.autograd.grad(chain(plain, x).sum(), [x, *plain.blocks.parameters()])
+    actual = torch.autograd.grad(chain(model, x).sum(), [x, *model.blocks.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(actual, expected, strict=True))
+
+
 @pytest.mark.parametrize(
     ("segments", "message"),
     [

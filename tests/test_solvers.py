@@ -61,6 +61,8 @@ def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
         gradient_bytes=rng.randint(0, 15),
         **(measured_policy(rng, matmul_bytes) if matmuls and rng.random() < 0.5 else {}),
         **(measured_checkpointed(rng) if rng.random() < 0.5 else {}),
+        # an encoder output or rotary cos/sin this block is the first to take
+        side_bytes=rng.randint(1, 25) if rng.random() < 0.4 else 0,
     )
 
 

@@ -163,7 +163,7 @@ def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
     _check_chain_breaks(segments, profile)
     walk = _Walk(profile)
     items = _items(segments, 0, len(blocks) - 1)
-    retained, forward_peak, added = walk.forward(items, 0, False, 0)
+    retained, forward_peak, added = walk.forward(items, 0, False, 0, top=True)
     head_peak = retained + profile.head_bytes
     backward_peak, _ = walk.backward(items, added, retained)
     peak = max(forward_peak, head_peak, backward_peak, profile.other_peak_bytes)
@@ -171,8 +171,9 @@ def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
 
 
 def gradients_after(profile: Profile) -> list[int]:
-    """Per block i, the parameter gradients allocated when its backward starts: the head's and
-    those of every later block (gradients start the step as None).
+    """Per block i, the gradients allocated when its backward starts: the parameter gradients
+    of the head and of every later block (gradients start the step as None), and those of
+    side inputs later blocks took too (``BlockProfile.side_gradient_bytes``).
 
     Example:
         >>> from gradckpt.profile_types import BlockProfile, Profile
@@ -184,7 +185,7 @@ def gradients_after(profile: Profile) -> list[int]:
     after = [0] * len(profile.blocks)
     total = profile.head_gradient_bytes
     for index in range(len(profile.blocks) - 1, -1, -1):
-        after[index] = total
+        after[index] = total + profile.blocks[index].side_gradient_bytes
         total += profile.blocks[index].gradient_bytes
     return after
 
@@ -260,11 +261,13 @@ class _Walk:
 
     def forward(
         self, items: list[int | Segment], retained: int, input_retained: bool, alive: int,
-        kept_by_policy: frozenset[int] = frozenset(),
+        kept_by_policy: frozenset[int] = frozenset(), top: bool = False,
     ) -> tuple[int, int, list[int]]:
         """Run items forward. ``input_retained``: the first item's input is already counted in
         ``retained``; ``alive``: bytes alive throughout (a gradient waiting for this part);
-        ``kept_by_policy``: blocks whose matmul outputs are already retained.
+        ``kept_by_policy``: blocks whose matmul outputs are already retained; ``top``: the
+        chain's top level, whose items hold their blocks' side inputs (inside a segment's
+        recomputation the segment holds them already).
         Returns retained after, the peak, and what each item added (released in backward)."""
         peak = 0
         added_per_item = []
@@ -272,6 +275,8 @@ class _Walk:
             if isinstance(item, Segment):
                 block = self.blocks[item.start]
                 added = 0 if input_retained else block.input_bytes
+                if top:  # the segment keeps its blocks' other inputs from its start on
+                    added += sum(self.blocks[j].side_bytes for j in item.blocks())
                 if item.policy is not None:
                     added += sum(self.blocks[j].matmul_bytes for j in _policy_blocks(item))
                 retained += added
@@ -282,8 +287,10 @@ class _Walk:
             else:
                 block = self.blocks[item]
                 hidden = 0 if input_retained else block.input_bytes
-                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes)
-                added = block.saved_bytes
+                added = block.saved_bytes + (block.side_bytes if top else 0)
+                # Side inputs exist before the block runs, its own peak comes on top.
+                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes
+                           + (block.side_bytes if top else 0))
                 if input_retained and block.input_saved:
                     added -= block.input_bytes  # the same tensor, retained already
                 if item in kept_by_policy:

@@ -26,7 +26,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from .plan import simulate
 from .policies import is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
 from .progress import progress as show_progress
+from .segments import continues_chain
 from .solvers.optimal import POLICY
 from .step_timer import BlockForwardTimer
 
@@ -178,14 +179,58 @@ def profile(
         model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
         memory.measure(step, model, *_tensors(sample))
         measured = []
+        saved_side_inputs = []
+        model_storages = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
         for (name, module), call, gradient_bytes, forward_in_step in zip(
             named_blocks, calls, _gradient_bytes(modules), in_step_forward, strict=True
         ):
-            measured.append(_measure_block(
-                name, module, call, repeats, device, gradient_bytes, forward_in_step
-            ))
+            block, saved_sides = _measure_block(
+                name, module, call, repeats, device, gradient_bytes, forward_in_step,
+                call.side_storages(model_storages),
+            )
+            measured.append(block)
+            saved_side_inputs.append(saved_sides)
             bar.update()
+    measured = _with_side_inputs(
+        measured, calls, model_storages, saved_side_inputs,
+        [recording.saved_after.get(recording.order[position - 1], {}) if position in chain_breaks
+         else {} for position in range(len(calls))],
+    )
     return _assemble(measured, memory, step_seconds, device, chain_breaks)
+
+
+def _with_side_inputs(
+    blocks: list[BlockProfile], calls: list[_BlockCall], model_storages: set,
+    saved_side_inputs: list[dict[int, int]], saved_before: list[dict[int, int]],
+) -> list[BlockProfile]:
+    """The blocks with ``side_bytes`` and ``side_gradient_bytes`` (see ``BlockProfile``): each
+    side input some block saves, counted once, in the first block that takes it; and
+    ``saved_before[i]``, what the modules right before block i saved (between two parts of
+    the chain), in block i, the tensors counted already left out."""
+    saved = {key: nbytes for sides in saved_side_inputs for key, nbytes in sides.items()}
+    counted = set(saved) | model_storages
+    side_bytes = [
+        sum(nbytes for key, nbytes in before.items() if key not in counted)
+        for before in saved_before
+    ]
+    takers: dict[int, list[int]] = {}
+    gradients: dict[int, int] = {}
+    for index, call in enumerate(calls):
+        for key in call.side_storages(model_storages):
+            takers.setdefault(key, []).append(index)
+            if key in saved:
+                side_bytes[index] += saved.pop(key)
+        gradients.update(call.side_gradients(model_storages))
+    side_gradient_bytes = [0] * len(blocks)
+    for key, nbytes in gradients.items():
+        # Made by the last taker's backward, summed into by the others' down to the first's.
+        for index in range(min(takers[key]), max(takers[key])):
+            side_gradient_bytes[index] += nbytes
+    return [
+        replace(block, side_bytes=held, side_gradient_bytes=gradient)
+        for block, held, gradient in zip(blocks, side_bytes, side_gradient_bytes, strict=True)
+    ]
+
 
 
 def _assemble(
@@ -194,7 +239,7 @@ def _assemble(
 ) -> Profile:
     """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them."""
     fixed = memory.start
-    retained = sum(block.saved_bytes for block in blocks)  # after the plain forward
+    retained = sum(block.saved_bytes + block.side_bytes for block in blocks)  # plain forward
     measured = Profile(
         blocks,
         peak_bytes=memory.peak,
@@ -248,6 +293,27 @@ class _BlockCall:
             raise UsageError("a block was called without a tensor argument: not a chain block")
         self.hidden = tensors[0]  # the chain's hidden state comes first (x = block(x, ...))
 
+    def side_storages(self, excluded: set) -> dict[int, int]:
+        """The storages of its other tensor arguments (masks, an encoder's output, rotary
+        cos/sin), less ``excluded`` (the model's parameters and buffers), with their bytes."""
+        hidden = _storage_key(self.leaves[self.hidden])
+        return {
+            _storage_key(leaf): leaf.untyped_storage().nbytes()
+            for leaf in self.leaves
+            if isinstance(leaf, torch.Tensor)
+            and _storage_key(leaf) not in excluded and _storage_key(leaf) != hidden
+        }
+
+    def side_gradients(self, excluded: set) -> dict[int, int]:
+        """Of those, the ones that need a gradient, with its bytes."""
+        sides = self.side_storages(excluded)
+        return {
+            _storage_key(leaf): _nbytes(leaf)
+            for leaf in self.leaves
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+            and _storage_key(leaf) in sides
+        }
+
     def fresh(self) -> tuple[tuple, dict, torch.Tensor]:
         """The arguments with a fresh copy of the hidden state (so memory measures are clean)."""
         leaves = list(self.leaves)
@@ -264,18 +330,22 @@ class _Recording:
     output it returned), in the order the blocks first ran."""
 
     calls: dict[int, _BlockCall]
-    inputs: dict[int, list[Any]]  # the leaves of each first call's arguments
+    arguments: dict[int, tuple[tuple, dict]]  # each first call's (args, kwargs)
     outputs: dict[int, torch.Tensor | None]
     order: list[int]
+    # What the graph saved outside the blocks after block i ended (storage -> bytes), until
+    # the next block started: an encoder's final norm, a decoder's embedding.
+    saved_after: dict[int, dict[int, int]] = field(default_factory=dict)
+    running: int = 0  # blocks running now (0: between blocks)
+    last_ended: int | None = None
 
     def chain_breaks(self) -> list[int]:
-        """Positions in ``order`` whose block was not called with the previous one's output
-        (the test ``gradckpt.segments`` applies)."""
+        """Positions in ``order`` whose block did not take the previous one's output as its
+        hidden state (the test ``gradckpt.segments`` applies)."""
         return [
             position for position in range(1, len(self.order))
-            if self.outputs.get(self.order[position - 1]) is None
-            or not any(leaf is self.outputs[self.order[position - 1]]
-                       for leaf in self.inputs[self.order[position]])
+            if not continues_chain(*self.arguments[self.order[position]],
+                                   self.outputs.get(self.order[position - 1]))
         ]
 
 
@@ -285,13 +355,22 @@ def _record_block_calls(
     recording = _Recording({}, {}, {}, [])
 
     def record(index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        recording.running += 1
         if index not in recording.calls:  # the first call, if called twice
             recording.calls[index] = _BlockCall(args, kwargs)
-            recording.inputs[index] = tree_flatten((args, kwargs))[0]
+            recording.arguments[index] = (args, kwargs)
             recording.order.append(index)
 
     def record_output(index: int, module: nn.Module, args: tuple, output: Any) -> None:
+        recording.running -= 1
+        recording.last_ended = index
         recording.outputs.setdefault(index, _first_tensor(output))
+
+    def saved_between(tensor: torch.Tensor) -> torch.Tensor:
+        if recording.running == 0 and recording.last_ended is not None:
+            saved = recording.saved_after.setdefault(recording.last_ended, {})
+            saved[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
 
     hooks = [
         hook
@@ -302,7 +381,9 @@ def _record_block_calls(
         )
     ]
     try:
-        loss_of(run_model(model, sample), loss_fn).backward()
+        with torch.autograd.graph.saved_tensors_hooks(saved_between, lambda tensor: tensor):
+            loss = loss_of(run_model(model, sample), loss_fn)
+        loss.backward()
     finally:
         for hook in hooks:
             hook.remove()
@@ -484,11 +565,14 @@ def _gradient_bytes(blocks: list[nn.Module]) -> list[int]:
 
 def _measure_block(
     name: str, block: nn.Module, call: _BlockCall, repeats: int, device: torch.device,
-    gradient_bytes: int, forward_in_step: float | None,
-) -> BlockProfile:
-    """Everything ``BlockProfile`` holds about one block, re-run on its own from its call in
-    the step. Its times on its own are put at the step's pace: scaled by its forward timed in
-    the step (``forward_in_step``) over its forward timed here."""
+    gradient_bytes: int, forward_in_step: float | None, side_inputs: dict[int, int],
+) -> tuple[BlockProfile, dict[int, int]]:
+    """Everything ``BlockProfile`` holds about one block but ``side_bytes``, re-run on its own
+    from its call in the step, and which of ``side_inputs`` (its arguments besides the hidden
+    state) its graph saves: those count once for the chain, not in its ``saved_bytes``.
+
+    Its times on its own are put at the step's pace: scaled by its forward timed in the step
+    (``forward_in_step``) over its forward timed here."""
     parameter_storages = {_storage_key(p) for p in block.parameters()}
     parameter_storages |= {_storage_key(b) for b in block.buffers()}
 
@@ -516,6 +600,7 @@ def _measure_block(
         chain_output.backward(gradient)
         backward_peak = memory.peak() - start
     input_saved = _storage_key(hidden) in saved
+    saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
     block.zero_grad(set_to_none=True)
 
     def forward_only() -> Any:
@@ -539,7 +624,7 @@ def _measure_block(
     if forward_in_step is not None and forward_seconds > 0:
         pace = forward_in_step / forward_seconds
     block.zero_grad(set_to_none=True)
-    operations = _operations(block, call)
+    operations = _operations(block, call, side_inputs)
     checkpointed_forward_peak, checkpointed_backward_peak = _checkpointed_peaks(
         block, call, device, policy=None
     )
@@ -570,7 +655,7 @@ def _measure_block(
         checkpointed_forward_peak_bytes=checkpointed_forward_peak,
         checkpointed_backward_peak_bytes=checkpointed_backward_peak,
         checkpointed_extra_seconds=max(statistics.median(checkpointed_extra), 0.0) * pace,
-    )
+    ), saved_sides
 
 
 def _checkpointed_peaks(
@@ -669,10 +754,12 @@ class _Operations:
     time_share: dict[str, float]  # share of the forward time, by operation
 
 
-def _operations(block: nn.Module, call: _BlockCall) -> _Operations:
-    """Run the block's forward once more, timing and attributing each operation."""
+def _operations(block: nn.Module, call: _BlockCall, side_inputs: dict[int, int]) -> _Operations:
+    """Run the block's forward once more, timing and attributing each operation (saved side
+    inputs left out, as from ``saved_bytes``)."""
     args, kwargs, hidden = call.fresh()
     excluded = {_storage_key(t) for t in (*block.parameters(), *block.buffers())}
+    excluded |= set(side_inputs)
     saved: dict[int, int] = {}
 
     def remember(tensor: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,18 @@ class BlockProfile:
     - ``checkpointed_extra_seconds``: how much longer its forward and backward take checkpointed
       alone than plain: its recomputation as the engine runs it (about 1.1x its forward on a
       CPU, for gradckpt and ``torch.utils.checkpoint`` alike). ``None``: ``forward_seconds``.
+    - ``side_bytes``: tensors the chain's graph saves that no block made and that are no
+      block's hidden state, passed to this block first: the encoder output every decoder block
+      reads (their cross-attention saves it), a Llama's rotary cos/sin. Several blocks save the
+      same tensor, but it exists once, and checkpointing does not free it (a segment keeps its
+      blocks' inputs), so it is counted once, here, and in no block's ``saved_bytes``: retained
+      from this block's forward (at the top of the chain: from the forward of the segment
+      holding this block) until that block's or segment's backward, whatever the plan. After a
+      chain break it also holds what the modules between the two parts saved (an encoder's
+      final norm), which lives just as long.
+    - ``side_gradient_bytes``: gradients of side inputs alive when its backward starts: made by
+      the backward of the last block taking the tensor, summed into by the others', freed
+      after the first one's (the encoder output's gradient across a decoder's backward).
     """
 
     name: str
@@ -85,6 +97,8 @@ class BlockProfile:
     checkpointed_forward_peak_bytes: int | None = None
     checkpointed_backward_peak_bytes: int | None = None
     checkpointed_extra_seconds: float | None = None
+    side_bytes: int = 0
+    side_gradient_bytes: int = 0
 
     def recompute_seconds(self) -> float:
         """Extra seconds each time a segment recomputes this block: measured, or its forward.
@@ -230,7 +244,8 @@ class Profile:
 def _inconsistency(block: BlockProfile) -> str | None:
     for name in ("input_bytes", "output_bytes", "saved_bytes", "forward_peak_bytes",
                  "backward_peak_bytes", "matmul_bytes", "forward_seconds", "backward_seconds",
-                 "matmul_seconds", "gradient_bytes"):
+                 "matmul_seconds", "gradient_bytes", "side_bytes",
+                 "side_gradient_bytes"):
         if getattr(block, name) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     for name in ("policy_forward_peak_bytes", "policy_backward_peak_bytes",

@@ -52,24 +52,40 @@ class _Segment:
         return self.start <= other.start and other.end <= self.end
 
 
+def continues_chain(args: tuple, kwargs: dict, previous_output: Any) -> bool:
+    """Whether a block called with ``(args, kwargs)`` takes ``previous_output`` (the previous
+    block's hidden state) as its own hidden state: its first tensor argument.
+
+    Passing it elsewhere is not enough: a BART decoder layer gets the encoder's last output as
+    ``encoder_hidden_states`` while its hidden state is the decoder's embedding.
+
+    Example:
+        >>> import torch
+        >>> x, memory = torch.ones(2), torch.zeros(2)
+        >>> continues_chain((x,), {}, x), continues_chain((memory,), {"context": x}, x)
+        (True, False)
+    """
+    return previous_output is not None and _first_tensor((args, kwargs)) is previous_output
+
+
 class _CallRecord:
-    """How a block inside a segment was called, with the hidden-state input left as a hole."""
+    """How a block inside a segment was called, with the hidden-state input left as a hole
+    (a hole wherever the previous output appears: ``block(x, residual=x)`` gets it twice)."""
 
     def __init__(self, args: tuple, kwargs: dict, chain_input: torch.Tensor) -> None:
         leaves, self.spec = tree_flatten((args, kwargs))
-        holes = [i for i, leaf in enumerate(leaves) if leaf is chain_input]
-        self.hole = holes[0] if holes else None
+        self.continues = continues_chain(args, kwargs, chain_input)
+        self.holes = {i for i, leaf in enumerate(leaves) if leaf is chain_input}
         # The other tensors (masks, position embeddings, ...) exist outside the blocks anyway;
         # detached, so recomputation builds a graph of its own, with the same requires_grad.
         self.leaves = [
-            None if i == self.hole else _detached_like(leaf) if isinstance(leaf, torch.Tensor)
+            None if i in self.holes else _detached_like(leaf) if isinstance(leaf, torch.Tensor)
             else leaf
             for i, leaf in enumerate(leaves)
         ]
 
     def call_with(self, chain_input: torch.Tensor) -> tuple[tuple, dict]:
-        leaves = list(self.leaves)
-        leaves[self.hole] = chain_input
+        leaves = [chain_input if i in self.holes else leaf for i, leaf in enumerate(self.leaves)]
         return tree_unflatten(leaves, self.spec)
 
 
@@ -185,7 +201,7 @@ class SegmentsHandle:
 
     def record_call(self, run: _Run, index: int, args: tuple, kwargs: dict) -> None:
         record = _CallRecord(args, kwargs, run.last_output)
-        if record.hole is None:
+        if not record.continues:
             self.abort_runs()
             raise UsageError(
                 f"gradckpt: block {index} of segment {run.segment.name!r} was not called with "

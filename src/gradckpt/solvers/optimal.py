@@ -228,6 +228,12 @@ class _Chain:
         ]
         self.alive.append(0)
         self.head_bytes = profile.head_bytes
+        # Side inputs are held by the top-level item holding their block (simulate's walk):
+        # side_before[j] is the sum over blocks 0..j-1, so segment s..j holds
+        # side_before[j + 1] - side_before[s].
+        self.side_before = [0]
+        for block in self.blocks:
+            self.side_before.append(self.side_before[-1] + block.side_bytes)
         # The last block a segment starting at s may reach (chain breaks: encoder to decoder).
         self.limit = [profile.segment_end_limit(s) for s in range(self.n)]
         self._segments: dict[int, _SegmentCosts] = {}
@@ -235,18 +241,28 @@ class _Chain:
     def end(self, column: int) -> int:
         return min(column, self.n - 1)
 
-    def kept(self, s: int, input_retained: bool) -> tuple[int, int]:
-        """Block s kept: the bytes it retains, and its backward's peak above what was before."""
+    def kept(self, s: int, input_retained: bool, top: bool = False) -> tuple[int, int]:
+        """Block s kept: the bytes it retains (its side inputs too at the top level), and its
+        backward's peak above what was before."""
         block = self.blocks[s]
         added = block.saved_bytes - (block.input_bytes if input_retained and block.input_saved
                                      else 0)
+        added += block.side_bytes if top else 0
         return added, (added + block.output_bytes + block.backward_peak_bytes
                        + self.gradients_after[s])
 
-    def kept_forward_peak(self, s: int, input_retained: bool, column: int) -> int:
+    def kept_transient(self, s: int, input_retained: bool, top: bool) -> int:
+        """What block s's forward holds, kept, above what is retained before it."""
         block = self.blocks[s]
         hidden = 0 if input_retained else block.input_bytes
-        return self.alive[column] + hidden + block.forward_peak_bytes
+        return hidden + block.forward_peak_bytes + (block.side_bytes if top else 0)
+
+    def kept_forward_peak(self, s: int, input_retained: bool, column: int) -> int:
+        return self.alive[column] + self.kept_transient(s, input_retained, column == self.n)
+
+    def segment_side_bytes(self, s: int, j: int) -> int:
+        """The side inputs a top-level segment s..j holds."""
+        return self.side_before[j + 1] - self.side_before[s]
 
     def segments(self, s: int) -> _SegmentCosts:
         """Costs of the segments starting at s (computed once, in O(n))."""
@@ -367,13 +383,20 @@ class _TimeTables:
         chain, n, levels = self.chain, self.chain.n, self.levels
         alive = self.alive[s:]  # columns s..n
         added, backward = chain.kept(s, input_retained=False)
-        forward = chain.kept_forward_peak(s, False, n) - chain.alive[n]  # what adds to alive
+        forward = chain.kept_transient(s, False, top=False)  # what adds to alive
         keep_after = self._fit(
             self._shift(self.after[s + 1, s:], added),
             self._units_tensor(torch.clamp(alive + forward, min=backward)),
         )
+        if chain.blocks[s].side_bytes:  # the top-level column: block s holds its side inputs
+            added, backward = chain.kept(s, input_retained=False, top=True)
+            forward = chain.kept_transient(s, False, top=True)
+            keep_after[-1:] = self._fit(
+                self._shift(self.after[s + 1, n:], added),
+                self._units_tensor(torch.tensor([max(chain.alive[n] + forward, backward)])),
+            )
         added, backward = chain.kept(s, input_retained=True)
-        forward = chain.kept_forward_peak(s, True, n) - chain.alive[n]
+        forward = chain.kept_transient(s, True, top=False)
         at_input = self._fit(
             self._shift(self.after[s + 1, s:n], added),
             self._units_tensor(torch.clamp(alive[:-1] + forward, min=backward)),
@@ -429,9 +452,12 @@ class _TimeTables:
                 shift = policy_shifts[k]
                 torch.minimum(options[:, shift:], under_policy[:, : levels - shift],
                               out=options[:, shift:])
-            torch.minimum(segments_after[k:], options, out=segments_after[k:])
             # Inside a segment s..e, a child s..j must be shorter: only e > j.
             torch.minimum(at_input[k + 1:], options[1 : n - j], out=at_input[k + 1:])
+            side = chain.segment_side_bytes(s, j)
+            if side:  # the top-level column: the segment holds its blocks' side inputs
+                options[-1:] = self._shift(options[-1:], side)
+            torch.minimum(segments_after[k:], options, out=segments_after[k:])
         self.at_input[s, s:] = at_input
         self.after[s, s:] = torch.minimum(
             keep_after, self._shift(segments_after, chain.blocks[s].input_bytes)
@@ -470,15 +496,17 @@ class _TimeTables:
         def lookup(table: torch.Tensor, first: int, col: int, at: int) -> float:
             return table[first, col, at].item() if 0 <= at < self.levels else _INF
 
-        added, backward = chain.kept(s, input_retained)
+        added, backward = chain.kept(s, input_retained, top=column == chain.n)
         if level >= self.units(max(chain.kept_forward_peak(s, input_retained, column), backward)):
             options.append((lookup(self.after, s + 1, column, level - self.units(added)), 0,
                             None, level - self.units(added)))
         costs = chain.segments(s)
-        inner = level - (0 if input_retained else self.units(chain.blocks[s].input_bytes))
         last = min(end - 1 if input_retained else end, chain.limit[s])
         for j in range(s, last + 1):
             k = j - s
+            inner = level - (0 if input_retained else self.units(chain.blocks[s].input_bytes))
+            if column == chain.n:
+                inner -= self.units(chain.segment_side_bytes(s, j))
             if inner >= self.units(chain.alive[column] + costs.transient[k]):
                 seconds = (costs.forward_seconds[k] + lookup(self.at_input, s, j, inner)
                            + lookup(self.after, j + 1, column, inner))
@@ -523,7 +551,7 @@ class _LowestPeak:
         input_bytes = chain.blocks[s].input_bytes
         best_after = []
         for c in range(s, n + 1):
-            added, backward = chain.kept(s, False)
+            added, backward = chain.kept(s, False, top=c == n)
             peak = max(chain.kept_forward_peak(s, False, c), backward, added + after[s + 1][c][0])
             best_after.append((peak, ("keep",)))
         best_inside = []
@@ -548,8 +576,9 @@ class _LowestPeak:
                     )
                     if policy < plain:
                         option = (policy, ("policy", j))
-                if input_bytes + option[0] < best_after[c - s][0]:
-                    best_after[c - s] = (input_bytes + option[0], option[1])
+                held = input_bytes + (chain.segment_side_bytes(s, j) if c == n else 0)
+                if held + option[0] < best_after[c - s][0]:
+                    best_after[c - s] = (held + option[0], option[1])
                 if j < c < n and option[0] < best_inside[c - s][0]:
                     best_inside[c - s] = option
         for c in range(s, n + 1):
