@@ -232,7 +232,6 @@ def _with_side_inputs(
     ]
 
 
-
 def _assemble(
     blocks: list[BlockProfile], memory: _StepMemory, step_seconds: float, device: torch.device,
     chain_breaks: list[int],
