@@ -14,6 +14,8 @@ from gradckpt import UsageError
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT, small_cnn
 from gradckpt.plan import Segment, plan_for, simulate
+from gradckpt.profile import _pooled_times, _TimeRatios
+from gradckpt.profile_types import BlockProfile
 from gradckpt.segments import checkpoint_segments
 
 BATCH, SEQ = 4, 64
@@ -77,6 +79,26 @@ def test_gpt_blocks_and_the_step() -> None:
     assert measured.peak_bytes == plain_peak
     assert 0 <= measured.fixed_bytes < measured.peak_bytes
     assert gradckpt.Profile.from_json(measured.to_json()) == measured
+
+
+def test_identical_blocks_share_one_estimate_of_each_time_ratio() -> None:
+    # Backward and recomputation costs are measured as multiples of the block's forward; the
+    # six identical layers pool their rounds into one estimate (steadier than each one's few).
+    measured = gradckpt.profile(tiny_gpt(), gpt_sample(), repeats=2)
+    for name in ("backward_seconds", "checkpointed_extra_seconds", "policy_extra_seconds"):
+        ratios = [getattr(block, name) / block.forward_seconds for block in measured.blocks]
+        assert ratios == pytest.approx([ratios[0]] * len(ratios), rel=1e-12), name
+
+
+def test_blocks_of_different_kinds_keep_their_own_ratios() -> None:
+    # A wider last layer computes something else: its ratios are its own rounds' medians.
+    ratios = [_TimeRatios([1.0], [1.0], [0.5]), _TimeRatios([3.0], [2.0], [0.5]),
+              _TimeRatios([2.0], [1.5], [0.0])]
+    blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 2.0, 0.0) for i in range(3)]
+    pooled = _pooled_times(blocks, ratios, ["narrow", "narrow", "wide"])
+    assert [b.backward_seconds for b in pooled] == [4.0, 4.0, 4.0]  # median of {1, 3}: 2 x 2 s
+    assert [b.checkpointed_extra_seconds for b in pooled] == [3.0, 3.0, 3.0]
+    assert [b.policy_extra_seconds for b in pooled] == [1.0, 1.0, 0.0]
 
 
 LAYOUTS = {

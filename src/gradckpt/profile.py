@@ -7,10 +7,12 @@
   its median time;
 - per block, from the block's real inputs in that step, re-run on its own: input and output
   bytes; the bytes its autograd graph keeps (the distinct storages of the tensors it saves for
-  backward, parameters excluded, its input included when saved); the transient memory of its
-  forward and backward pass (MemTracker / the CUDA allocator, above what existed before); its
-  forward and backward time (medians; its forward timed inside the measured steps, the times
-  taken on its own scaled to that pace, see ``gradckpt.step_timer``); and the outputs and share
+  backward, parameters excluded, its input included when saved; side inputs such as an
+  encoder's output counted once for the chain); the transient memory of its forward and
+  backward pass (MemTracker / the CUDA allocator, above what existed before); its forward and
+  backward time and what checkpointing it adds (its forward timed inside the measured steps,
+  see ``gradckpt.step_timer``; the others as multiples of its forward timed in the same rounds
+  on its own, pooled over identical blocks); and the outputs and share
   of forward time of its matrix multiplies and attention kernels (what
   ``policy="save-matmuls"`` keeps).
 
@@ -180,17 +182,23 @@ def profile(
         memory.measure(step, model, *_tensors(sample))
         measured = []
         saved_side_inputs = []
+        time_ratios = []
         model_storages = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
         for (name, module), call, gradient_bytes, forward_in_step in zip(
             named_blocks, calls, _gradient_bytes(modules), in_step_forward, strict=True
         ):
-            block, saved_sides = _measure_block(
+            block, saved_sides, ratios = _measure_block(
                 name, module, call, repeats, device, gradient_bytes, forward_in_step,
                 call.side_storages(model_storages),
             )
             measured.append(block)
             saved_side_inputs.append(saved_sides)
+            time_ratios.append(ratios)
             bar.update()
+    measured = _pooled_times(
+        measured, time_ratios, [_kind(module, call) for module, call in zip(modules, calls,
+                                                                             strict=True)]
+    )
     measured = _with_side_inputs(
         measured, calls, model_storages, saved_side_inputs,
         [recording.saved_after.get(recording.order[position - 1], {}) if position in chain_breaks
@@ -565,13 +573,14 @@ def _gradient_bytes(blocks: list[nn.Module]) -> list[int]:
 def _measure_block(
     name: str, block: nn.Module, call: _BlockCall, repeats: int, device: torch.device,
     gradient_bytes: int, forward_in_step: float | None, side_inputs: dict[int, int],
-) -> tuple[BlockProfile, dict[int, int]]:
+) -> tuple[BlockProfile, dict[int, int], _TimeRatios]:
     """Everything ``BlockProfile`` holds about one block but ``side_bytes``, re-run on its own
     from its call in the step, and which of ``side_inputs`` (its arguments besides the hidden
     state) its graph saves: those count once for the chain, not in its ``saved_bytes``.
 
-    Its times on its own are put at the step's pace: scaled by its forward timed in the step
-    (``forward_in_step``) over its forward timed here."""
+    Its backward and extra times are multiples of its forward timed in the same rounds (the
+    ``_TimeRatios`` returned, which ``profile`` pools over identical blocks) times its forward
+    timed in the step (``forward_in_step``; its forward alone when that is None)."""
     parameter_storages = {_storage_key(p) for p in block.parameters()}
     parameter_storages |= {_storage_key(b) for b in block.buffers()}
 
@@ -610,18 +619,19 @@ def _measure_block(
         out = _block_output(forward_only())
         out.backward(torch.ones_like(out))
 
-    forward_seconds = _median_seconds(forward_only, repeats, device)
-    # Plain, checkpointed and under the policy, in turn: what checkpointing adds is a
-    # difference of times taken a moment apart, not minutes.
-    plain_times, checkpointed_extra, policy_extra = _interleaved_seconds(
-        [forward_and_backward, _checkpointed_step(block, call, None),
+    # Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats`` rounds:
+    # each time is kept as a multiple of the forward timed in the same round, moments apart (a
+    # shared machine's pace drifts by 10-20% over seconds), then put at the step's pace by the
+    # forward timed inside the step, where the step's own time was taken.
+    forward_times, backward, checkpointed, policy = _interleaved_seconds(
+        [forward_only, forward_and_backward, _checkpointed_step(block, call, None),
          _checkpointed_step(block, call, POLICY)],
         repeats, device,
     )
-    both_seconds = statistics.median(plain_times)
-    pace = 1.0
-    if forward_in_step is not None and forward_seconds > 0:
-        pace = forward_in_step / forward_seconds
+    forward_seconds = (statistics.median(forward_times) if forward_in_step is None
+                       else forward_in_step)
+
+    ratios = _TimeRatios.of(forward_times, backward, checkpointed, policy)
     block.zero_grad(set_to_none=True)
     operations = _operations(block, call, side_inputs)
     checkpointed_forward_peak, checkpointed_backward_peak = _checkpointed_peaks(
@@ -636,25 +646,88 @@ def _measure_block(
         output_bytes=_nbytes(chain_output),
         saved_bytes=sum(saved.values()),
         input_saved=input_saved,
-        forward_seconds=forward_seconds * pace,
-        backward_seconds=max(both_seconds - forward_seconds, 0.0) * pace,
+        forward_seconds=forward_seconds,
+        backward_seconds=ratios.median("backward") * forward_seconds,
         forward_peak_bytes=forward_peak,
         backward_peak_bytes=backward_peak,
         matmul_bytes=operations.matmul_bytes,
-        matmul_seconds=operations.matmul_share * forward_seconds * pace,
+        matmul_seconds=operations.matmul_share * forward_seconds,
         saved_bytes_by_op=operations.saved_bytes,
         forward_seconds_by_op={
-            name: share * forward_seconds * pace for name, share in operations.time_share.items()
+            name: share * forward_seconds for name, share in operations.time_share.items()
         },
         gradient_bytes=gradient_bytes,
         policy_forward_peak_bytes=policy_forward_peak,
         policy_backward_peak_bytes=policy_backward_peak,
-        # Never below zero: a checkpointed run faster than the plain block is timing noise.
-        policy_extra_seconds=max(statistics.median(policy_extra), 0.0) * pace,
+        policy_extra_seconds=ratios.median("policy") * forward_seconds,
         checkpointed_forward_peak_bytes=checkpointed_forward_peak,
         checkpointed_backward_peak_bytes=checkpointed_backward_peak,
-        checkpointed_extra_seconds=max(statistics.median(checkpointed_extra), 0.0) * pace,
-    ), saved_sides
+        checkpointed_extra_seconds=ratios.median("checkpointed") * forward_seconds,
+    ), saved_sides, ratios
+
+
+@dataclass
+class _TimeRatios:
+    """Per round, a block's backward and what checkpointing it adds (plain, under the policy),
+    each over its forward timed in the same round."""
+
+    backward: list[float]
+    checkpointed: list[float]
+    policy: list[float]
+
+    @classmethod
+    def of(cls, forward: list[float], backward: list[float], checkpointed: list[float],
+           policy: list[float]) -> _TimeRatios:
+        """From ``_interleaved_seconds``: forward times, then each other run minus forward."""
+        rounds = [i for i, seconds in enumerate(forward) if seconds > 0]
+        # Never below zero: a checkpointed run faster than the plain block is timing noise.
+        return cls(
+            [max(backward[i], 0.0) / forward[i] for i in rounds],
+            [max(checkpointed[i] - backward[i], 0.0) / forward[i] for i in rounds],
+            [max(policy[i] - backward[i], 0.0) / forward[i] for i in rounds],
+        )
+
+    def median(self, name: str) -> float:
+        values = getattr(self, name)
+        return statistics.median(values) if values else 0.0
+
+    def pooled(self, others: list[_TimeRatios]) -> _TimeRatios:
+        return _TimeRatios(*([v for r in [self, *others] for v in getattr(r, name)]
+                             for name in ("backward", "checkpointed", "policy")))
+
+
+def _pooled_times(
+    blocks: list[BlockProfile], ratios: list[_TimeRatios], kinds: list[Any]
+) -> list[BlockProfile]:
+    """Blocks that compute the same thing (``_kind``) share one estimate of each ratio: the
+    median over all their rounds, steadier than each block's few (8 identical layers measured
+    3 rounds each: 24 samples, not 3). Each keeps its own forward, timed in the step."""
+    by_kind: dict[Any, list[_TimeRatios]] = {}
+    for kind, ratio in zip(kinds, ratios, strict=True):
+        by_kind.setdefault(kind, []).append(ratio)
+    pooled = {kind: group[0].pooled(group[1:]) for kind, group in by_kind.items()}
+    return [
+        replace(
+            block,
+            backward_seconds=pooled[kind].median("backward") * block.forward_seconds,
+            checkpointed_extra_seconds=pooled[kind].median("checkpointed") * block.forward_seconds,
+            policy_extra_seconds=pooled[kind].median("policy") * block.forward_seconds,
+        )
+        for block, kind in zip(blocks, kinds, strict=True)
+    ]
+
+
+def _kind(module: nn.Module, call: _BlockCall) -> tuple:
+    """What makes two blocks compute the same: class, parameter shapes, argument shapes and
+    the non-tensor arguments."""
+    return (
+        type(module).__qualname__,
+        tuple((tuple(p.shape), p.dtype) for p in module.parameters()),
+        tuple((tuple(leaf.shape), leaf.dtype, leaf.requires_grad) if isinstance(leaf, torch.Tensor)
+              else repr(leaf) for leaf in call.leaves),
+        str(call.spec),
+        module.training,
+    )
 
 
 def _checkpointed_peaks(
