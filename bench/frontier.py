@@ -73,7 +73,9 @@ How to read the output:
   than the noise floor (a gap that two identical contenders show), the excess taken round by
   round ("paired gap": the median over rounds of the difference of the two time/none ratios,
   which cancels each round's drift; the ratio of two medians does not, and once put two
-  layouts recomputing the same four blocks at +0.158 and +0.256). The last line is the verdict
+  layouts recomputing the same four blocks at +0.158 and +0.256), or gradckpt was slower in
+  no more rounds than chance explains (a one-sided sign test over the rounds, p >= 0.05: 12
+  of 16 rounds is significant, 10 of 16 is not). The last line is the verdict
   (prediction counts both ways: against the allowed error, and against 15% alone); the exit
   status is 0 whatever it says.
 """
@@ -105,10 +107,16 @@ from gradckpt.policies import is_matmul_or_attention
 
 PEAK_ERROR_TARGET = 0.05  # |predicted - measured| / measured peak
 EXTRA_TIME_ERROR_TARGET = 0.15  # |predicted - measured| / measured extra time, or the floor
-# "Worse" takes both: an extra-time ratio above 1 + NEVER_WORSE_SLACK, and gradckpt's extra
+# "Worse" takes all three: an extra-time ratio above 1 + NEVER_WORSE_SLACK; gradckpt's extra
 # time above the anchor's, paired by round, by more than the noise floor (a gap the do-nothing
-# contender shows between two identical runs cannot tell the plans apart).
+# contender shows between two identical runs cannot tell the plans apart); and gradckpt slower
+# in more rounds than chance explains (one-sided sign test, p < SIGN_TEST_LEVEL). Why the last:
+# the floor comes from one contender and can come out small; in one run two layouts that
+# recompute the same four blocks showed a paired gap of +0.096 over a floor of 0.039, gradckpt
+# slower in 10 rounds of 16 (p = 0.23), while the two identical every-layer layouts differed
+# by -0.073 in the same run.
 NEVER_WORSE_SLACK = 0.05
+SIGN_TEST_LEVEL = 0.05
 CLEARLY_BETTER = 0.8  # extra-time ratio counted as "clearly better"
 CONTROL = "none again (control)"  # the do-nothing contender when that plan does checkpoint
 NO_PLAN = "no plan"
@@ -505,6 +513,7 @@ class FrontierRow:
     text: str  # the row's comparison, or why there is none
     ratio: float | None  # gradckpt extra / anchor extra, when comparable
     gap: float = 0.0  # gradckpt's extra time minus the anchor's, paired by round (median)
+    sign_p: float = 1.0  # chance of gradckpt slower in as many rounds if neither were faster
 
 
 def frontier_rows(
@@ -541,8 +550,12 @@ def frontier_rows(
             rows.append(FrontierRow(anchor.name, text, None))
         else:
             gap = paired_gap(found.name, anchor.name, timings)
-            text = f"{extra_text}; paired gap {gap:+.3f}; {memory}; {time_text}"
-            rows.append(FrontierRow(anchor.name, text, ratio, gap))
+            slower, rounds, sign_p = sign_test(found.name, anchor.name, timings)
+            text = (
+                f"{extra_text}; paired gap {gap:+.3f}, gradckpt slower in {slower} of {rounds} "
+                f"rounds (sign test p {sign_p:.2f}); {memory}; {time_text}"
+            )
+            rows.append(FrontierRow(anchor.name, text, ratio, gap, sign_p))
     return rows
 
 
@@ -568,6 +581,25 @@ def paired_gap(ours: str, anchor: str, timings: _common.BracketedTimings) -> flo
     return statistics.median(mine - theirs for mine, theirs in pairs)
 
 
+def sign_test(
+    ours: str, anchor: str, timings: _common.BracketedTimings
+) -> tuple[int, int, float]:
+    """In how many rounds gradckpt took longer than the anchor, of the rounds where they
+    differed, and the chance of at least that many if neither were faster (one-sided sign
+    test: no assumption on how the machine's noise is distributed).
+
+    Example (with made-up rounds: 12 of 16 slower is unlikely by chance, 10 of 16 is not):
+        >>> round(sum(math.comb(16, i) for i in range(12, 17)) / 2**16, 3)
+        0.038
+    """
+    differences = [mine - theirs for mine, theirs in paired_rounds(ours, anchor, timings)
+                   if mine != theirs]
+    slower = sum(difference > 0 for difference in differences)
+    n = len(differences)
+    p = sum(math.comb(n, i) for i in range(slower, n + 1)) / 2**n if n else 1.0
+    return slower, n, p
+
+
 def step_time_text(ours: str, anchor: str, timings: _common.BracketedTimings) -> str:
     """gradckpt's step time / the anchor's, per round (each measured against "none" there)."""
     if ours == anchor:
@@ -585,8 +617,9 @@ def step_time_text(ours: str, anchor: str, timings: _common.BracketedTimings) ->
 def verdict(rows: list[FrontierRow], checks: dict[str, PredictionCheck], floor: float) -> str:
     compared = [row for row in rows if row.ratio is not None]
     slower = [row for row in compared if row.ratio > 1 + NEVER_WORSE_SLACK]
-    worse = [row.anchor for row in slower if row.gap > floor]
-    within_noise = [row.anchor for row in slower if row.gap <= floor]
+    worse = [row.anchor for row in slower
+             if row.gap > floor and row.sign_p < SIGN_TEST_LEVEL]
+    within_noise = [row.anchor for row in slower if row.anchor not in worse]
     better = [row.anchor for row in compared if row.ratio <= CLEARLY_BETTER]
     not_comparable = [row.anchor for row in rows if row.text.startswith(NOT_AT_MEMORY)]
     no_plan = [row.anchor for row in rows if row.text.startswith(NO_PLAN)]
@@ -599,8 +632,9 @@ def verdict(rows: list[FrontierRow], checks: dict[str, PredictionCheck], floor: 
         if check.extra_met_by_target_alone is not None
     ]
     return (
-        f"verdict: never worse (at <= memory, extra-time ratio <= {1 + NEVER_WORSE_SLACK:.2f} "
-        f"or extra time within the noise floor {floor:.3f} of the anchor's) {never_worse}"
+        f"verdict: never worse (at <= memory, extra-time ratio <= {1 + NEVER_WORSE_SLACK:.2f}, "
+        f"or extra time within the noise floor {floor:.3f} of the anchor's, or slower in no "
+        f"more rounds than chance explains (sign test p >= {SIGN_TEST_LEVEL})) {never_worse}"
         + (f" (worse: {', '.join(worse)})" if worse else "")
         + (f" (slower within the noise: {', '.join(within_noise)})" if within_noise else "")
         + (f" (more memory: {', '.join(not_comparable)})" if not_comparable else "")
