@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from hf_models import tiny_llama
 from torch import nn
 
 import gradckpt
@@ -127,6 +128,29 @@ def test_predicted_peak_matches_the_measured_one(layout: list[Segment]) -> None:
         predicted.predicted_peak_bytes,
         measured,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Module is None:UserWarning")
+def test_llama_segments_of_two_layers_are_predicted_exactly() -> None:
+    """A segment's recomputed layers are walked with each layer's own backward peak, measured
+    with its gradients starting as None, as in a step (measured after profile's own steps,
+    into gradients already there, it missed an MLP weight's gradient: 1.7% low)."""
+    model = tiny_llama(4)
+    ids = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+    sample = {"input_ids": ids, "labels": ids}
+    plan = plan_for(gradckpt.profile(model, sample, repeats=1, progress=False), "test", None,
+                    [Segment(0, 1), Segment(2, 3)])
+    gradckpt.apply(model, plan)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(**sample).loss.backward()
+
+    measured = measure_peak_bytes(step, model, ids)
+    gradckpt.disable(model)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.001 * measured, (
+        plan.predicted_peak_bytes, measured)
 
 
 def test_a_budget_of_every_layers_measured_peak_gets_a_plan() -> None:

@@ -584,6 +584,10 @@ def _measure_block(
     parameter_storages = {_storage_key(p) for p in block.parameters()}
     parameter_storages |= {_storage_key(b) for b in block.buffers()}
 
+    # Its gradients start as None, as in a training step: the steps profile ran before left
+    # them allocated, and a backward accumulating into them would not count the new ones (an
+    # MLP weight's gradient was missing from the peak of a Llama layer's backward).
+    block.zero_grad(set_to_none=True)
     args, kwargs, hidden = call.fresh()
     saved: dict[int, int] = {}  # storage -> bytes, each storage once
 
