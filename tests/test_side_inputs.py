@@ -114,3 +114,20 @@ def test_side_gradients_weigh_on_the_backward_they_span() -> None:
     # 50, its output's gradient 10 and the side gradient, above every other moment.
     with_gradient = Profile([block(side_gradient_bytes=500), block()], 0, 0, 1.0)
     assert simulate(with_gradient, [])[0] == 50 + 10 + 500
+
+
+def test_the_decoders_embedding_gradients_weigh_on_the_encoders_backward_only() -> None:
+    # BART's decoder embeds its positions and normalizes them between the encoder's layers and
+    # the decoder's: those gradients appear once the decoder's backward is done (its token
+    # embedding is the lm_head's, whose gradient the head made already).
+    model = tiny_bart(LAYERS)
+    measured = gradckpt.profile(model, seq2seq_sample(), repeats=1, progress=False)
+    decoder = model.model.decoder
+    between = sum(p.numel() * p.element_size()
+                  for p in (*decoder.embed_positions.parameters(),
+                            *decoder.layernorm_embedding.parameters()))
+    encoder_blocks = measured.blocks[:LAYERS]
+    assert [block.side_gradient_bytes for block in encoder_blocks] == [between] * LAYERS
+    # Counted in the head's gradients from the chain's backward start, they had the plain step
+    # 0.9% high.
+    assert abs(measured.notes["plain_prediction_error"]) < 0.002

@@ -204,7 +204,15 @@ def profile(
         [recording.saved_after.get(recording.order[position - 1], {}) if position in chain_breaks
          else {} for position in range(len(calls))],
     )
-    return _assemble(measured, memory, step_seconds, device, chain_breaks)
+    # Gradients of the modules between two parts of the chain appear once the later part's
+    # backward is done: alive for the earlier part's backward only. (After the first block's:
+    # the embedding's, outside the chain's backward.)
+    between = recording.gradients_made_after()
+    measured = [
+        replace(block, side_gradient_bytes=block.side_gradient_bytes + sum(between[i + 1:]))
+        for i, block in enumerate(measured)
+    ]
+    return _assemble(measured, memory, step_seconds, device, chain_breaks, sum(between[1:]))
 
 
 def _with_side_inputs(
@@ -242,9 +250,11 @@ def _with_side_inputs(
 
 def _assemble(
     blocks: list[BlockProfile], memory: _StepMemory, step_seconds: float, device: torch.device,
-    chain_breaks: list[int],
+    chain_breaks: list[int], between_gradient_bytes: int = 0,
 ) -> Profile:
-    """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them."""
+    """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them.
+    ``between_gradient_bytes``: gradients made inside the chain's backward outside its blocks
+    (counted in the blocks' ``side_gradient_bytes``, not in the head's)."""
     fixed = memory.start
     retained = sum(block.saved_bytes + block.side_bytes for block in blocks)  # plain forward
     measured = Profile(
@@ -254,7 +264,9 @@ def _assemble(
         step_seconds=step_seconds,
         device=str(device),
         head_bytes=max(0, memory.highest["head"] - fixed - retained),
-        head_gradient_bytes=_head_leftovers(blocks, memory, fixed, retained),
+        head_gradient_bytes=_head_leftovers(
+            blocks, memory, fixed, retained, between_gradient_bytes
+        ),
         other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
         chain_breaks=chain_breaks,
     )
@@ -266,7 +278,8 @@ def _assemble(
 
 
 def _head_leftovers(
-    blocks: list[BlockProfile], memory: _StepMemory, fixed: int, retained: int
+    blocks: list[BlockProfile], memory: _StepMemory, fixed: int, retained: int,
+    between_gradient_bytes: int,
 ) -> int:
     """What stays allocated through the chain's backward besides the chain's own tensors: the
     head's parameter gradients, and what the part before the chain saved (its dropout mask).
@@ -276,7 +289,8 @@ def _head_leftovers(
     Without that hook (a chain input that needs no gradient) the start is all there is.
     """
     if memory.chain_backward_end:
-        made_by_chain = sum(block.gradient_bytes for block in blocks) + blocks[0].input_bytes
+        made_by_chain = (sum(block.gradient_bytes for block in blocks) + blocks[0].input_bytes
+                         + between_gradient_bytes)
         return max(0, memory.chain_backward_end - fixed - made_by_chain)
     return max(0, memory.chain_backward_start - fixed - retained - blocks[-1].output_bytes)
 
@@ -345,6 +359,15 @@ class _Recording:
     saved_after: dict[int, dict[int, int]] = field(default_factory=dict)
     running: int = 0  # blocks running now (0: between blocks)
     last_ended: int | None = None
+    # In backward: the block whose input's gradient came last (its backward is done), and the
+    # gradients of parameters outside the blocks first made after block i's backward (a
+    # decoder's embedding, between decoder and encoder).
+    backward_done: int | None = None
+    gradients_after: dict[int, int] = field(default_factory=dict)
+
+    def gradients_made_after(self) -> list[int]:
+        """Per position in ``order``, the bytes of ``gradients_after`` its block's backward."""
+        return [self.gradients_after.get(index, 0) for index in self.order]
 
     def chain_breaks(self) -> list[int]:
         """Positions in ``order`` whose block did not take the previous one's output as its
@@ -367,6 +390,22 @@ def _record_block_calls(
             recording.calls[index] = _BlockCall(args, kwargs)
             recording.arguments[index] = (args, kwargs)
             recording.order.append(index)
+            hidden = _first_tensor((args, kwargs))
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(functools.partial(backward_done, index))
+
+    def backward_done(index: int, gradient: torch.Tensor) -> None:
+        recording.backward_done = index
+
+    made: set[nn.Parameter] = set()
+
+    def gradient_made(parameter: nn.Parameter) -> None:
+        if parameter not in made:
+            made.add(parameter)
+            if recording.backward_done is not None:
+                after = recording.gradients_after
+                after[recording.backward_done] = (after.get(recording.backward_done, 0)
+                                                  + _nbytes(parameter))
 
     def record_output(index: int, module: nn.Module, args: tuple, output: Any) -> None:
         recording.running -= 1
@@ -386,6 +425,12 @@ def _record_block_calls(
             block.register_forward_pre_hook(functools.partial(record, index), with_kwargs=True),
             block.register_forward_hook(functools.partial(record_output, index)),
         )
+    ]
+    in_blocks = {parameter for block in blocks for parameter in block.parameters()}
+    hooks += [
+        parameter.register_post_accumulate_grad_hook(gradient_made)
+        for parameter in model.parameters()
+        if parameter.requires_grad and parameter not in in_blocks
     ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved_between, lambda tensor: tensor):

@@ -72,9 +72,12 @@ class BlockProfile:
       holding this block) until that block's or segment's backward, whatever the plan. After a
       chain break it also holds what the modules between the two parts saved (an encoder's
       final norm), which lives just as long.
-    - ``side_gradient_bytes``: gradients of side inputs alive when its backward starts: made by
-      the backward of the last block taking the tensor, summed into by the others', freed
-      after the first one's (the encoder output's gradient across a decoder's backward).
+    - ``side_gradient_bytes``: gradients made outside the blocks' own parameters that are alive
+      when its backward starts: a side input's, made by the backward of the last block taking
+      the tensor, summed into by the others', freed after the first one's (the encoder
+      output's gradient across a decoder's backward); and those of the modules between two
+      parts of the chain (a decoder's position embedding), made once the later part's
+      backward is done.
     """
 
     name: str
