@@ -532,6 +532,26 @@ def parse_run_arguments(
     return args
 
 
+def add_device_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--device``: cpu, cuda, cuda:N or auto (cuda when torch sees a GPU)."""
+    parser.add_argument(
+        "--device", default=default, help=f"cpu, cuda, cuda:N or auto [{default}]"
+    )
+
+
+def resolve_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """The device ``--device`` names ("auto": cuda when available), with its index filled in;
+    a parser error when it names a GPU that torch does not see."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {name}: torch sees no CUDA GPU")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def describe_machine(device: torch.device) -> str:
     """One line: torch version, device, and the CPU threads torch uses."""
     text = f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} CPU threads"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks that CI (no GPU) cannot run, as one script for a session that is lent a GPU
 # machine: the engine's CUDA tests (RNG replay on the device, offload through side streams,
-# max_memory_allocated lower with offload), then bench/engine.py on the GPU. Everything it prints
+# max_memory_allocated lower with offload), then bench/engine.py and bench/frontier.py on the GPU. Everything it prints
 # is also written to $OUT (or ./device-check/) so the figures can be copied into docs/.
 #
 #   bash bench/device_check.sh            # on the GPU machine, from the repository root
@@ -19,4 +19,8 @@ status=0
 "$python" -m pytest -q -m cuda tests/ 2>&1 | tee "$out/cuda_tests.txt" || status=1
 "$python" bench/engine.py --device cuda --layers 12 --embd 1024 --heads 16 --batch 8 --seq 1024 \
     --rounds 20 2>&1 | tee "$out/engine_cuda.txt" || status=1
+# The planning issue's extra-time target on steadier times: predicted vs measured peaks
+# (max_memory_allocated) and extra times of every plan, same script as on CPU.
+"$python" bench/frontier.py --device cuda --layers 12 --embd 1024 --heads 16 --batch 8 \
+    --seq 512 --rounds 16 --verbose 2>&1 | tee "$out/frontier_cuda.txt" || status=1
 exit $status

@@ -179,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _common.add_run_arguments(
         parser, FULL, QUICK, {"rounds": "timed rounds, each running A, B and C once"}
     )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto [auto]")
+    _common.add_device_argument(parser, "auto")
     parser.add_argument(
         "--form",
         choices=["call", "module"],
@@ -187,18 +187,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how A checkpoints: gradckpt.checkpoint(block, x) or checkpoint_module(block) [call]",
     )
     args = _common.parse_run_arguments(parser, argv, FULL, QUICK)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA GPU")
+    args.device = _common.resolve_device(parser, args.device)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = args.device
 
     torch.manual_seed(args.seed)
     config = GPTConfig(

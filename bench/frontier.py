@@ -24,6 +24,7 @@ Run it (about 6 minutes on a quiet 2-core CPU; ``--quick`` is a smoke test of se
     .venv/bin/python bench/frontier.py
     .venv/bin/python bench/frontier.py --quick
     .venv/bin/python bench/frontier.py --verbose        # also print each gradckpt plan in full
+    .venv/bin/python bench/frontier.py --device cuda    # on a GPU (bench/device_check.sh)
 
 Nothing else CPU-heavy may run meanwhile: like ``bench/engine.py`` the script waits, asleep,
 until other processes use at most ``--max-foreign-load`` cores before each timed round, discards
@@ -680,7 +681,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         },
     )
     parser.add_argument("--verbose", action="store_true", help="print each gradckpt plan in full")
-    return _common.parse_run_arguments(parser, argv, FULL, QUICK)
+    # CPU by default, as the planning issue asks (MemTracker peaks); on a GPU, peaks are the
+    # CUDA allocator's and times far steadier than on a shared CPU.
+    _common.add_device_argument(parser, "cpu")
+    args = _common.parse_run_arguments(parser, argv, FULL, QUICK)
+    args.device = _common.resolve_device(parser, args.device)
+    return args
 
 
 def command_line(argv: list[str] | None) -> str:
@@ -699,14 +705,14 @@ def command_line(argv: list[str] | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device("cpu")  # the frontier is a CPU benchmark (MemTracker peaks)
+    device = args.device
 
     torch.manual_seed(args.seed)
     config = GPTConfig(
         n_layer=args.layers, n_embd=args.embd, n_head=args.heads, block_size=args.seq
     )
-    model = TinyGPT(config).train()  # train(): dropout on, RNG replay exercised
-    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1))
+    model = TinyGPT(config).to(device).train()  # train(): dropout on, RNG replay exercised
+    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device=device)
     sample = {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
     parameter_count = sum(p.numel() for p in model.parameters())
 
