@@ -54,6 +54,13 @@ def test_the_encoder_output_counts_once_in_the_first_decoder_block(t5_profile: P
     assert first.side_gradient_bytes >= encoder_output
     assert second.side_gradient_bytes == 0
     assert all(block.side_bytes == 0 for block in t5_profile.blocks[:LAYERS])
+    # The first encoder block makes the position bias the second one takes: its gradient
+    # reaches the first one's backward too; and the encoder's final norm's weight gets its
+    # gradient once the decoder's backward is done.
+    position_bias = 1 * 4 * SOURCE * SOURCE * 4  # [1, heads, source, source], float32
+    final_norm = D_MODEL * 4
+    assert t5_profile.blocks[0].side_gradient_bytes == position_bias + final_norm
+    assert t5_profile.blocks[1].side_gradient_bytes == final_norm
 
 
 def test_llama_rotary_cos_sin_count_once() -> None:

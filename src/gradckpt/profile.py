@@ -201,6 +201,7 @@ def profile(
     )
     measured = _with_side_inputs(
         measured, calls, model_storages, saved_side_inputs,
+        [recording.returned.get(index, set()) for index in recording.order],
         [recording.saved_after.get(recording.order[position - 1], {}) if position in chain_breaks
          else {} for position in range(len(calls))],
     )
@@ -217,7 +218,8 @@ def profile(
 
 def _with_side_inputs(
     blocks: list[BlockProfile], calls: list[_BlockCall], model_storages: set,
-    saved_side_inputs: list[dict[int, int]], saved_before: list[dict[int, int]],
+    saved_side_inputs: list[dict[int, int]], returned: list[set],
+    saved_before: list[dict[int, int]],
 ) -> list[BlockProfile]:
     """The blocks with ``side_bytes`` and ``side_gradient_bytes`` (see ``BlockProfile``): each
     side input some block saves, counted once, in the first block that takes it; and
@@ -239,8 +241,12 @@ def _with_side_inputs(
         gradients.update(call.side_gradients(model_storages))
     side_gradient_bytes = [0] * len(blocks)
     for key, nbytes in gradients.items():
-        # Made by the last taker's backward, summed into by the others' down to the first's.
-        for index in range(min(takers[key]), max(takers[key])):
+        # Made by the last taker's backward, summed into by the others' down to the first's,
+        # and into the block that returned the tensor, if one did (its backward uses it).
+        first = min(takers[key])
+        if first > 0 and key in returned[first - 1]:
+            first -= 1
+        for index in range(first, max(takers[key])):
             side_gradient_bytes[index] += nbytes
     return [
         replace(block, side_bytes=held, side_gradient_bytes=gradient)
@@ -364,6 +370,9 @@ class _Recording:
     # decoder's embedding, between decoder and encoder).
     backward_done: int | None = None
     gradients_after: dict[int, int] = field(default_factory=dict)
+    # The storages of the other tensors each block returned (T5's first block returns the
+    # position bias the others take).
+    returned: dict[int, set] = field(default_factory=dict)
 
     def gradients_made_after(self) -> list[int]:
         """Per position in ``order``, the bytes of ``gradients_after`` its block's backward."""
@@ -411,6 +420,13 @@ def _record_block_calls(
         recording.running -= 1
         recording.last_ended = index
         recording.outputs.setdefault(index, _first_tensor(output))
+        # Besides the hidden state, whose gradient the walk counts as the incoming one.
+        hidden = recording.outputs[index]
+        recording.returned.setdefault(index, {
+            _storage_key(leaf) for leaf in tree_flatten(output)[0]
+            if isinstance(leaf, torch.Tensor) and leaf is not hidden
+            and (hidden is None or _storage_key(leaf) != _storage_key(hidden))
+        })
 
     def saved_between(tensor: torch.Tensor) -> torch.Tensor:
         if recording.running == 0 and recording.last_ended is not None:

@@ -75,7 +75,9 @@ class BlockProfile:
     - ``side_gradient_bytes``: gradients made outside the blocks' own parameters that are alive
       when its backward starts: a side input's, made by the backward of the last block taking
       the tensor, summed into by the others', freed after the first one's (the encoder
-      output's gradient across a decoder's backward); and those of the modules between two
+      output's gradient across a decoder's backward), or after the backward of the block that
+      returned it (T5's position bias, made by a stack's first block); and those of the modules
+      between two
       parts of the chain (a decoder's position embedding), made once the later part's
       backward is done.
     """
