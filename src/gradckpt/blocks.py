@@ -44,10 +44,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from torch import nn
 
 from .caches import caches_off
 from .errors import UsageError
+from .model_state import buffers_and_rng_preserved
 
 __all__ = ["find_blocks", "resolve_blocks"]
 
@@ -328,7 +328,7 @@ def _in_run_order(
     try:
         for index, (_, module) in enumerate(blocks):
             handles.append(module.register_forward_pre_hook(functools.partial(note, index)))
-        with _state_put_back(model), caches_off(model), torch.no_grad():
+        with buffers_and_rng_preserved(model), caches_off(model), torch.no_grad():
             run_model(model, sample)
     finally:
         for handle in handles:
@@ -344,31 +344,3 @@ def _in_run_order(
     # sorted() is stable, and ties cannot happen: every block that ran has its own index
     order = sorted(range(len(blocks)), key=first_call.__getitem__)
     return [blocks[index] for index in order]
-
-
-@contextlib.contextmanager
-def _state_put_back(model: nn.Module) -> Iterator[None]:
-    """Put back what a forward pass without grad can change: buffers and RNG state.
-
-    Why: in train mode BatchNorm updates its running statistics even under ``no_grad``, and
-    dropout draws random numbers; asking for the order of the blocks must not change training.
-    A module that replaces a buffer (``self.inv_freq = ...``) gets its old tensor back.
-    """
-    buffers = [
-        (module, name, buffer, buffer.detach().clone())
-        for module in model.modules()
-        for name, buffer in module.named_buffers(recurse=False)
-    ]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for module, name, buffer, saved in buffers:
-                buffer.copy_(saved)
-                if getattr(module, name, None) is not buffer:
-                    setattr(module, name, buffer)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)

@@ -23,11 +23,10 @@ and the RNG state are as they were before profiling.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +40,7 @@ from .caches import caches_off
 from .engine import _detached_like, _first_tensor, _storage_key, checkpoint
 from .errors import UsageError
 from .measure import infer_device
+from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .plan import simulate
 from .policies import is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
@@ -142,7 +142,8 @@ def profile(
     modules = [m for _, m in named_blocks]
     steps = 1 + repeats + 1 + len(modules)  # warm-up, timed steps, memory step, each block
     with (
-        _model_state_preserved(model),
+        gradients_preserved(model),
+        buffers_and_rng_preserved(model),
         caches_off(model),
         show_progress(steps, "gradckpt: profiling", enabled=progress) as bar,
     ):
@@ -462,28 +463,6 @@ def _record_block_calls(
             "blocks= with the blocks that run, in order"
         )
     return recording
-
-
-@contextlib.contextmanager
-def _model_state_preserved(model: nn.Module) -> Iterator[None]:
-    """Profiling runs real steps: put gradients, buffers and RNG back afterwards."""
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    for parameter in grads:
-        parameter.grad = None
-    try:
-        yield
-    finally:
-        for parameter, grad in grads.items():
-            parameter.grad = grad
-        with torch.no_grad():
-            for buffer, copy in buffers:
-                buffer.copy_(copy)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 class _Memory(TorchDispatchMode):
