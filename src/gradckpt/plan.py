@@ -31,6 +31,10 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   segment's backward peak and extra time under the policy are measured too
   (``policy_backward_peak_bytes``, ``policy_extra_seconds``), a longer one is walked as above
   with each block's kept outputs counted from its first forward on (an upper bound);
+- side inputs (``side_bytes``: an encoder output the decoder blocks save) are retained by the
+  top-level item holding the block they are counted in, from its forward to its backward,
+  whatever the plan; their gradients (``side_gradient_bytes``) count with the parameter
+  gradients made before a block's backward;
 - and, whatever the plan, ``other_peak_bytes`` (the step outside the chain).
 
 Example:

@@ -201,31 +201,30 @@ def profile(
                                                                              strict=True)]
     )
     measured = _with_side_inputs(
-        measured, calls, model_storages, saved_side_inputs,
-        [recording.returned.get(index, set()) for index in recording.order],
-        [recording.saved_after.get(recording.order[position - 1], {}) if position in chain_breaks
-         else {} for position in range(len(calls))],
+        measured, recording, chain_breaks, model_storages, saved_side_inputs
     )
-    # Gradients of the modules between two parts of the chain appear once the later part's
-    # backward is done: alive for the earlier part's backward only. (After the first block's:
-    # the embedding's, outside the chain's backward.)
     between = recording.gradients_made_after()
-    measured = [
-        replace(block, side_gradient_bytes=block.side_gradient_bytes + sum(between[i + 1:]))
-        for i, block in enumerate(measured)
-    ]
     return _assemble(measured, memory, step_seconds, device, chain_breaks, sum(between[1:]))
 
 
 def _with_side_inputs(
-    blocks: list[BlockProfile], calls: list[_BlockCall], model_storages: set,
-    saved_side_inputs: list[dict[int, int]], returned: list[set],
-    saved_before: list[dict[int, int]],
+    blocks: list[BlockProfile], recording: _Recording, chain_breaks: list[int],
+    model_storages: set, saved_side_inputs: list[dict[int, int]],
 ) -> list[BlockProfile]:
-    """The blocks with ``side_bytes`` and ``side_gradient_bytes`` (see ``BlockProfile``): each
-    side input some block saves, counted once, in the first block that takes it; and
-    ``saved_before[i]``, what the modules right before block i saved (between two parts of
-    the chain), in block i, the tensors counted already left out."""
+    """The blocks (in run order) with ``side_bytes`` and ``side_gradient_bytes`` (see
+    ``BlockProfile``).
+
+    ``side_bytes``: each side input some block saves (``saved_side_inputs``), counted once, in
+    the first block that takes it; after a chain break, what the modules between the two parts
+    saved, the tensors counted already left out. ``side_gradient_bytes``: side inputs'
+    gradients, and those of the modules between two parts of the chain, which appear once the
+    later part's backward is done (after the first block's: the embedding's, outside the
+    chain's backward)."""
+    order = recording.order
+    calls = [recording.calls[index] for index in order]
+    returned = [recording.returned.get(index, set()) for index in order]
+    saved_before = [recording.saved_after.get(order[position - 1], {})
+                    if position in chain_breaks else {} for position in range(len(order))]
     saved = {key: nbytes for sides in saved_side_inputs for key, nbytes in sides.items()}
     counted = set(saved) | model_storages
     side_bytes = [
@@ -249,6 +248,9 @@ def _with_side_inputs(
             first -= 1
         for index in range(first, max(takers[key])):
             side_gradient_bytes[index] += nbytes
+    between = recording.gradients_made_after()
+    for index in range(len(blocks)):
+        side_gradient_bytes[index] += sum(between[index + 1:])
     return [
         replace(block, side_bytes=held, side_gradient_bytes=gradient)
         for block, held, gradient in zip(blocks, side_bytes, side_gradient_bytes, strict=True)
