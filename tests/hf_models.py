@@ -66,12 +66,16 @@ def tiny_t5(layers: int = 2, vocab_size: int = 128) -> nn.Module:
     return transformers.T5ForConditionalGeneration(config).train()
 
 
-def tiny_bart(layers: int = 2, vocab_size: int = 128) -> nn.Module:
-    """A seeded BartForConditionalGeneration, ``layers`` encoder and decoder layers."""
+def tiny_bart(
+    layers: int = 2, vocab_size: int = 128, decoder_layers: int | None = None
+) -> nn.Module:
+    """A seeded BartForConditionalGeneration, ``layers`` encoder layers and as many decoder
+    layers unless ``decoder_layers`` says otherwise."""
     import transformers
 
     config = transformers.BartConfig(
-        vocab_size=vocab_size, d_model=64, encoder_layers=layers, decoder_layers=layers,
+        vocab_size=vocab_size, d_model=64, encoder_layers=layers,
+        decoder_layers=layers if decoder_layers is None else decoder_layers,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
         decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
         eos_token_id=2, decoder_start_token_id=2, dropout=0.0,

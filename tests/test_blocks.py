@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import tiny_clip
+from hf_models import tiny_bart, tiny_clip, tiny_llama, tiny_t5
 from torch import nn
 
 import gradckpt
@@ -21,19 +21,6 @@ from gradckpt.models import GPTConfig, TinyGPT, mlp_chain, small_cnn
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 64
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config)
 
 
 def tiny_gpt2() -> nn.Module:
@@ -55,39 +42,6 @@ def tiny_bert() -> nn.Module:
     return transformers.BertModel(config)
 
 
-def tiny_t5() -> nn.Module:
-    config = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=2,
-        d_kv=8,
-        d_ff=64,
-        decoder_start_token_id=0,
-    )
-    return transformers.T5ForConditionalGeneration(config)
-
-
-def tiny_bart() -> nn.Module:
-    config = transformers.BartConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=3,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=32,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-    )
-    return transformers.BartForConditionalGeneration(config)
-
-
 def run_llama_like(model: nn.Module) -> None:
     model(input_ids=torch.randint(3, VOCAB, (2, 8)))
 
@@ -101,16 +55,17 @@ def run_encoder_decoder(model: nn.Module) -> None:
 
 HF_MODELS = {
     # name: (builder, expected block names, how to run a forward pass)
-    "llama": (tiny_llama, [f"model.layers.{i}" for i in range(3)], run_llama_like),
+    "llama": (lambda: tiny_llama(3, VOCAB), [f"model.layers.{i}" for i in range(3)],
+              run_llama_like),
     "gpt2": (tiny_gpt2, [f"transformer.h.{i}" for i in range(3)], run_llama_like),
     "bert": (tiny_bert, [f"encoder.layer.{i}" for i in range(2)], run_llama_like),
     "t5": (
-        tiny_t5,
+        lambda: tiny_t5(2, VOCAB),
         [f"encoder.block.{i}" for i in range(2)] + [f"decoder.block.{i}" for i in range(2)],
         run_encoder_decoder,
     ),
     "bart": (
-        tiny_bart,
+        lambda: tiny_bart(2, VOCAB, decoder_layers=3),
         [f"model.encoder.layers.{i}" for i in range(2)]
         + [f"model.decoder.layers.{i}" for i in range(3)],
         run_encoder_decoder,
