@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -249,6 +250,28 @@ def test_the_previous_output_passed_twice_is_replayed_in_both_places() -> None:
     expected = torch.autograd.grad(chain(plain, x).sum(), [x, *plain.blocks.parameters()])
     actual = torch.autograd.grad(chain(model, x).sum(), [x, *model.blocks.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(actual, expected, strict=True))
+
+    # The record of block 1's call keeps neither copy of block 0's output: the segment holds
+    # as much after its forward as when block 1 takes the chain's input as context instead.
+    def context_from_input(m: CrossAttending, x: torch.Tensor) -> torch.Tensor:
+        return m.blocks[1](m.blocks[0](x, context=x), context=x)
+
+    x = torch.randn(256, 4, requires_grad=True)
+    assert held_after_forward(lambda: chain(model, x), model, x) == held_after_forward(
+        lambda: context_from_input(model, x), model, x
+    )
+
+
+def held_after_forward(forward: Callable[[], torch.Tensor], *existing: object) -> int:
+    """Bytes a forward pass leaves allocated (its output included) beyond ``existing``."""
+    tracker = MemTracker()
+    tracker.track_external(*existing)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        output = forward()
+        after = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+    del output
+    return after - before
 
 
 @pytest.mark.parametrize(
