@@ -63,6 +63,8 @@ def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
         **(measured_checkpointed(rng) if rng.random() < 0.5 else {}),
         # an encoder output or rotary cos/sin this block is the first to take
         side_bytes=rng.randint(1, 25) if rng.random() < 0.4 else 0,
+        # a mask or position bias no block saves, which segments keep for recomputation
+        held_side_bytes=rng.randint(1, 25) if rng.random() < 0.3 else 0,
     )
 
 

@@ -33,8 +33,9 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   with each block's kept outputs counted from its first forward on (an upper bound);
 - side inputs (``side_bytes``: an encoder output the decoder blocks save) are retained by the
   top-level item holding the block they are counted in, from its forward to its backward,
-  whatever the plan; their gradients (``side_gradient_bytes``) count with the parameter
-  gradients made before a block's backward;
+  whatever the plan; so are those no block saves (``held_side_bytes``: T5's position bias),
+  when the plan has any segment (segments keep them for recomputation); their gradients
+  (``side_gradient_bytes``) count with the parameter gradients made before a block's backward;
 - and, whatever the plan, ``other_peak_bytes`` (the step outside the chain).
 
 Example:
@@ -57,7 +58,9 @@ from typing import Any
 from .errors import UsageError
 from .profile_types import Profile
 
-__all__ = ["Segment", "Plan", "simulate", "gradients_after", "split_at_chain_breaks"]
+__all__ = [
+    "Segment", "Plan", "simulate", "gradients_after", "side_inputs_held", "split_at_chain_breaks",
+]
 
 
 @dataclass
@@ -165,7 +168,7 @@ def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
     profile.validate()
     _check_segments(segments, 0, len(blocks) - 1)
     _check_chain_breaks(segments, profile)
-    walk = _Walk(profile)
+    walk = _Walk(profile, checkpointing=bool(segments))
     items = _items(segments, 0, len(blocks) - 1)
     retained, forward_peak, added = walk.forward(items, 0, False, 0, top=True)
     head_peak = retained + profile.head_bytes
@@ -192,6 +195,23 @@ def gradients_after(profile: Profile) -> list[int]:
         after[index] = total + profile.blocks[index].side_gradient_bytes
         total += profile.blocks[index].gradient_bytes
     return after
+
+
+def side_inputs_held(profile: Profile, checkpointing: bool) -> list[int]:
+    """Per block, the side inputs counted in it (``BlockProfile.side_bytes``), plus, when the
+    plan checkpoints anything, those no block saves (``held_side_bytes``): a segment keeps
+    them for its recomputation, the plain model frees them after its forward.
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile
+        >>> blocks = [BlockProfile("h.0", 1, 1, 1, True, 1.0, 1.0, side_bytes=4),
+        ...           BlockProfile("h.1", 1, 1, 1, True, 1.0, 1.0, held_side_bytes=8)]
+        >>> profile = Profile(blocks, 0, 0, 1.0)
+        >>> side_inputs_held(profile, False), side_inputs_held(profile, True)
+        ([4, 0], [4, 8])
+    """
+    return [block.side_bytes + (block.held_side_bytes if checkpointing else 0)
+            for block in profile.blocks]
 
 
 def _items(segments: list[Segment], start: int, end: int) -> list[int | Segment]:
@@ -258,9 +278,10 @@ def split_at_chain_breaks(segments: list[Segment], profile: Profile) -> list[Seg
 class _Walk:
     """Walks a step through the chain, tracking retained bytes; accumulates recompute time."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, checkpointing: bool) -> None:
         self.blocks = profile.blocks
         self.gradients_after = gradients_after(profile)
+        self.side = side_inputs_held(profile, checkpointing)
         self.extra_seconds = 0.0
 
     def forward(
@@ -280,7 +301,7 @@ class _Walk:
                 block = self.blocks[item.start]
                 added = 0 if input_retained else block.input_bytes
                 if top:  # the segment keeps its blocks' other inputs from its start on
-                    added += sum(self.blocks[j].side_bytes for j in item.blocks())
+                    added += sum(self.side[j] for j in item.blocks())
                 if item.policy is not None:
                     added += sum(self.blocks[j].matmul_bytes for j in _policy_blocks(item))
                 retained += added
@@ -291,10 +312,10 @@ class _Walk:
             else:
                 block = self.blocks[item]
                 hidden = 0 if input_retained else block.input_bytes
-                added = block.saved_bytes + (block.side_bytes if top else 0)
+                side = self.side[item] if top else 0
+                added = block.saved_bytes + side
                 # Side inputs exist before the block runs, its own peak comes on top.
-                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes
-                           + (block.side_bytes if top else 0))
+                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes + side)
                 if input_retained and block.input_saved:
                     added -= block.input_bytes  # the same tensor, retained already
                 if item in kept_by_policy:

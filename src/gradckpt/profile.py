@@ -201,7 +201,8 @@ def profile(
                                                                              strict=True)]
     )
     measured = _with_side_inputs(
-        measured, recording, chain_breaks, model_storages, saved_side_inputs
+        measured, recording, chain_breaks, model_storages, saved_side_inputs,
+        {_storage_key(tensor) for tensor in _tensors(sample)},
     )
     between = recording.gradients_made_after()
     return _assemble(measured, memory, step_seconds, device, chain_breaks, sum(between[1:]))
@@ -209,14 +210,16 @@ def profile(
 
 def _with_side_inputs(
     blocks: list[BlockProfile], recording: _Recording, chain_breaks: list[int],
-    model_storages: set, saved_side_inputs: list[dict[int, int]],
+    model_storages: set, saved_side_inputs: list[dict[int, int]], sample_storages: set,
 ) -> list[BlockProfile]:
-    """The blocks (in run order) with ``side_bytes`` and ``side_gradient_bytes`` (see
-    ``BlockProfile``).
+    """The blocks (in run order) with ``side_bytes``, ``held_side_bytes`` and
+    ``side_gradient_bytes`` (see ``BlockProfile``).
 
     ``side_bytes``: each side input some block saves (``saved_side_inputs``), counted once, in
     the first block that takes it; after a chain break, what the modules between the two parts
-    saved, the tensors counted already left out. ``side_gradient_bytes``: side inputs'
+    saved, the tensors counted already left out. ``held_side_bytes``: each side input no block
+    saves, once, in the first block that takes it, unless it is part of the sample (counted in
+    the fixed bytes). ``side_gradient_bytes``: side inputs'
     gradients, and those of the modules between two parts of the chain, which appear once the
     later part's backward is done (after the first block's: the embedding's, outside the
     chain's backward)."""
@@ -231,13 +234,17 @@ def _with_side_inputs(
         sum(nbytes for key, nbytes in before.items() if key not in counted)
         for before in saved_before
     ]
+    not_held = counted | sample_storages | {key for before in saved_before for key in before}
+    held_side_bytes = [0] * len(blocks)
     takers: dict[int, list[int]] = {}
     gradients: dict[int, int] = {}
     for index, call in enumerate(calls):
-        for key in call.side_storages(model_storages):
-            takers.setdefault(key, []).append(index)
+        for key, nbytes in call.side_storages(model_storages).items():
             if key in saved:
                 side_bytes[index] += saved.pop(key)
+            elif key not in not_held and key not in takers:
+                held_side_bytes[index] += nbytes
+            takers.setdefault(key, []).append(index)
         gradients.update(call.side_gradients(model_storages))
     side_gradient_bytes = [0] * len(blocks)
     for key, nbytes in gradients.items():
@@ -252,8 +259,10 @@ def _with_side_inputs(
     for index in range(len(blocks)):
         side_gradient_bytes[index] += sum(between[index + 1:])
     return [
-        replace(block, side_bytes=held, side_gradient_bytes=gradient)
-        for block, held, gradient in zip(blocks, side_bytes, side_gradient_bytes, strict=True)
+        replace(block, side_bytes=side, held_side_bytes=held, side_gradient_bytes=gradient)
+        for block, side, held, gradient in zip(
+            blocks, side_bytes, held_side_bytes, side_gradient_bytes, strict=True
+        )
     ]
 
 

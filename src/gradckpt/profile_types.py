@@ -80,6 +80,13 @@ class BlockProfile:
       between two
       parts of the chain (a decoder's position embedding), made once the later part's
       backward is done.
+    - ``held_side_bytes``: side inputs no block saves, passed to this block first (T5's
+      position bias, which its stacks' first block makes and every later one adds to its
+      attention scores; attention masks). The plain model frees them after its forward; a
+      checkpointed segment keeps them until its backward, since its recomputation needs them.
+      So with any segment in the plan they count like ``side_bytes``; with none, not at all.
+      An upper bound where this block is kept: then they live, in fact, until the backward
+      of the first checkpointed block taking them, if any.
     """
 
     name: str
@@ -104,6 +111,7 @@ class BlockProfile:
     checkpointed_extra_seconds: float | None = None
     side_bytes: int = 0
     side_gradient_bytes: int = 0
+    held_side_bytes: int = 0
 
     def recompute_seconds(self) -> float:
         """Extra seconds each time a segment recomputes this block: measured, or its forward.
@@ -250,7 +258,7 @@ def _inconsistency(block: BlockProfile) -> str | None:
     for name in ("input_bytes", "output_bytes", "saved_bytes", "forward_peak_bytes",
                  "backward_peak_bytes", "matmul_bytes", "forward_seconds", "backward_seconds",
                  "matmul_seconds", "gradient_bytes", "side_bytes",
-                 "side_gradient_bytes"):
+                 "side_gradient_bytes", "held_side_bytes"):
         if getattr(block, name) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     for name in ("policy_forward_peak_bytes", "policy_backward_peak_bytes",

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import Segment, gradients_after, simulate
+from ..plan import Segment, gradients_after, side_inputs_held, simulate
 from ..profile_types import BlockProfile, Profile
 from .chen_greedy import solve_chen_greedy
 
@@ -136,7 +136,7 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
             candidates.extend(every_kth_block(profile))
     lowest = None
     if tables is None or candidates[0] is None or tables.may_miss_lowest_peak_plan():
-        lowest = _LowestPeak(profile).plan()
+        lowest = _lowest_peak_plan(profile)
         candidates.append(lowest)
     fitting = []
     for segments in candidates:
@@ -146,7 +146,7 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
                 fitting.append((seconds, peak, segments))
     if not fitting:
         # nothing fits: the plan of lowest peak, for solve()'s BudgetError
-        return lowest if lowest is not None else _LowestPeak(profile).plan()
+        return lowest if lowest is not None else _lowest_peak_plan(profile)
     return min(fitting, key=lambda entry: entry[:2])[2]
 
 
@@ -186,7 +186,17 @@ def minimum_peak_bytes(profile: Profile) -> int:
         >>> minimum_peak_bytes(Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=1))
         1070
     """
-    return profile.fixed_bytes + simulate(profile, _LowestPeak(profile).plan())[0]
+    return profile.fixed_bytes + simulate(profile, _lowest_peak_plan(profile))[0]
+
+
+def _lowest_peak_plan(profile: Profile) -> list[Segment]:
+    """The plan of lowest peak: the DP's, or none at all. The DP counts side inputs no block
+    saves as any plan with a segment holds them; the plan without one frees them after the
+    forward, and can be the lowest (a chain whose peak lies outside it)."""
+    plan = _LowestPeak(profile).plan()
+    if plan and simulate(profile, [])[0] <= simulate(profile, plan)[0]:
+        return []
+    return plan
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,12 +238,14 @@ class _Chain:
         ]
         self.alive.append(0)
         self.head_bytes = profile.head_bytes
-        # Side inputs are held by the top-level item holding their block (simulate's walk):
-        # side_before[j] is the sum over blocks 0..j-1, so segment s..j holds
-        # side_before[j + 1] - side_before[s].
+        # Side inputs are held by the top-level item holding their block (simulate's walk),
+        # those no block saves too, as in any plan with a segment: the plan without one is
+        # predicted apart (solve_optimal, _lowest_peak_plan). side_before[j] is the sum over
+        # blocks 0..j-1, so segment s..j holds side_before[j + 1] - side_before[s].
+        self.side = side_inputs_held(profile, checkpointing=True)
         self.side_before = [0]
-        for block in self.blocks:
-            self.side_before.append(self.side_before[-1] + block.side_bytes)
+        for side in self.side:
+            self.side_before.append(self.side_before[-1] + side)
         # The last block a segment starting at s may reach (chain breaks: encoder to decoder).
         self.limit = [profile.segment_end_limit(s) for s in range(self.n)]
         self._segments: dict[int, _SegmentCosts] = {}
@@ -247,7 +259,7 @@ class _Chain:
         block = self.blocks[s]
         added = block.saved_bytes - (block.input_bytes if input_retained and block.input_saved
                                      else 0)
-        added += block.side_bytes if top else 0
+        added += self.side[s] if top else 0
         return added, (added + block.output_bytes + block.backward_peak_bytes
                        + self.gradients_after[s])
 
@@ -255,7 +267,7 @@ class _Chain:
         """What block s's forward holds, kept, above what is retained before it."""
         block = self.blocks[s]
         hidden = 0 if input_retained else block.input_bytes
-        return hidden + block.forward_peak_bytes + (block.side_bytes if top else 0)
+        return hidden + block.forward_peak_bytes + (self.side[s] if top else 0)
 
     def kept_forward_peak(self, s: int, input_retained: bool, column: int) -> int:
         return self.alive[column] + self.kept_transient(s, input_retained, column == self.n)
@@ -388,7 +400,7 @@ class _TimeTables:
             self._shift(self.after[s + 1, s:], added),
             self._units_tensor(torch.clamp(alive + forward, min=backward)),
         )
-        if chain.blocks[s].side_bytes:  # the top-level column: block s holds its side inputs
+        if chain.side[s]:  # the top-level column: block s holds its side inputs
             added, backward = chain.kept(s, input_retained=False, top=True)
             forward = chain.kept_transient(s, False, top=True)
             keep_after[-1:] = self._fit(
