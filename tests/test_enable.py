@@ -3,8 +3,6 @@ with gradients equal to the plain model's (DESIGN.md: "told before it runs, and 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from hf_models import tiny_clip, tiny_llama
@@ -15,6 +13,7 @@ from gradckpt import BudgetError
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.plan import Segment, simulate
+from gradckpt.profile import loss_of
 from gradckpt.solvers.optimal import minimum_peak_bytes
 
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=64, dropout=0.1)
@@ -39,7 +38,7 @@ def step(model: nn.Module, sample: dict) -> tuple[int, torch.Tensor, list[torch.
 
     def run() -> None:
         torch.manual_seed(3)
-        result["loss"] = loss = model(**sample)
+        result["loss"] = loss = loss_of(model(**sample))  # TinyGPT's loss, or HF's output.loss
         loss.backward()
 
     peak = measure_peak_bytes(run, model, *sample.values())
@@ -90,39 +89,41 @@ def test_an_impossible_budget_names_the_smallest_feasible_one() -> None:
     gradckpt.disable(model)
 
 
-@pytest.mark.slow
-def test_llama_from_a_config_fits_the_budget_with_identical_gradients() -> None:
-    pytest.importorskip("transformers")
-    plain = tiny_llama(layers=6, vocab_size=256)
-    model = copy.deepcopy(plain)
+def llama_sample() -> dict:
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, 256, (4, 64), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids}
+
+
+@pytest.fixture(scope="module")
+def plain_llama_step() -> tuple[int, torch.Tensor, list[torch.Tensor], int]:
+    """The plain Llama's peak, loss and gradients, and the smallest feasible budget."""
+    pytest.importorskip("transformers")
+    plain = tiny_llama(layers=6, vocab_size=256)
+    return (*step(plain, llama_sample()), smallest_feasible_budget(plain, llama_sample()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", [0.0, 0.3, 0.6, 0.9])
+def test_llama_from_a_config_fits_the_budget_with_identical_gradients(
+    plain_llama_step: tuple, position: float
+) -> None:
+    """Budgets from the smallest feasible one (position 0) towards the unconstrained peak."""
+    plain_peak, plain_loss, plain_grads, minimum = plain_llama_step
+    model = tiny_llama(layers=6, vocab_size=256)
     # config.use_cache is true: the layers get a DynamicCache in training unless gradckpt turns
     # it off (recomputed layers would append to it again).
     assert model.config.use_cache
-    sample = {"input_ids": input_ids, "labels": input_ids}
-
-    def llama_step(m: nn.Module) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
-        m.zero_grad(set_to_none=True)
-        result = {}
-
-        def run() -> None:
-            torch.manual_seed(3)
-            result["loss"] = loss = m(**sample).loss
-            loss.backward()
-
-        peak = measure_peak_bytes(run, m, input_ids)
-        return peak, result["loss"].detach(), [p.grad for p in m.parameters()]
-
-    plain_peak, plain_loss, plain_grads = llama_step(plain)
-    budget = int(0.6 * plain_peak)
-    plan = gradckpt.enable(model, sample, budget=budget)
+    budget = int(minimum + position * (plain_peak - minimum))
+    plan = gradckpt.enable(model, llama_sample(), budget=budget)
     assert plan.segments and not model.config.use_cache
-    peak, loss, grads = llama_step(model)
+    assert plan.predicted_peak_bytes <= budget
+    peak, loss, grads = step(model, llama_sample())
     assert peak <= budget * ALLOWANCE, (peak, budget, str(plan.segments))
     assert abs(plan.predicted_peak_bytes - peak) <= 0.01 * peak, (plan.predicted_peak_bytes, peak)
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    gradckpt.disable(model)
     gradckpt.disable(model)
     assert model.config.use_cache
 
