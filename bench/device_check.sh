@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks that CI (no GPU) cannot run, as one script for a session that is lent a GPU
 # machine: the engine's CUDA tests (RNG replay on the device, offload through side streams,
-# max_memory_allocated lower with offload), then bench/engine.py and bench/frontier.py on the GPU. Everything it prints
-# is also written to $OUT (or ./device-check/) so the figures can be copied into docs/.
+# max_memory_allocated lower with offload), then bench/engine.py and bench/frontier.py on the
+# GPU. Everything it prints is also written to $OUT (or ./device-check/) so the figures can be
+# copied into docs/.
 #
 #   bash bench/device_check.sh            # on the GPU machine, from the repository root
 set -uo pipefail

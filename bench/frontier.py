@@ -659,7 +659,7 @@ def verdict(rows: list[FrontierRow], checks: dict[str, PredictionCheck], floor: 
 # a round ~20 s, the script about 14 minutes) and --quick (a smoke test of seconds). Explicit
 # flags win over both. 40 rounds: one step's time strays by 10-15% here. With 6 rounds a
 # two-block recomputation measured anywhere from -2% to +12% of a step from run to run; with
-# 16, every layer checkpointed measured +0.40 to +0.59 in six runs (two identical layouts in
+# 16, every layer checkpointed measured +0.40 to +0.59 in five runs (two identical layouts in
 # one run up to 0.08 apart), too loose to check a 15% target on; with 40, those two layouts
 # measured +0.477 and +0.477.
 FULL = dict(

@@ -187,12 +187,6 @@ class Interrupted(nn.Module):
         return x
 
 
-def test_work_between_blocks_is_a_clear_error() -> None:
-    model = Interrupted()
-    checkpoint_segments(list(model.blocks), [(0, 2)])
-    with pytest.raises(UsageError, match="not called with the output of block 0"):
-        model(torch.randn(2, 4, requires_grad=True))
-    assert hooks_on_top() is None
 
 
 def test_single_block_segments_work_with_work_between_blocks() -> None:
@@ -228,9 +222,14 @@ class Mixer(nn.Module):
         return torch.tanh(self.linear(x) + context)
 
 
-def test_a_block_taking_the_previous_output_as_context_only_breaks_the_chain() -> None:
-    model = CrossAttending()
-    checkpoint_segments(list(model.blocks), [(0, 1)])
+@pytest.mark.parametrize(
+    "build",
+    # Work between the blocks; block 1 taking block 0's output as context only.
+    [Interrupted, CrossAttending], ids=["work-between-blocks", "previous-output-as-context"],
+)
+def test_a_segment_across_a_chain_break_is_a_clear_error(build: type[nn.Module]) -> None:
+    model = build()
+    checkpoint_segments(list(model.blocks), [(0, len(model.blocks) - 1)])
     with pytest.raises(UsageError, match="not called with the output of block 0"):
         model(torch.randn(2, 4, requires_grad=True))
     assert hooks_on_top() is None

@@ -625,9 +625,10 @@ def _measure_block(
     name: str, block: nn.Module, call: _BlockCall, repeats: int, device: torch.device,
     gradient_bytes: int, forward_in_step: float | None, side_inputs: dict[int, int],
 ) -> tuple[BlockProfile, dict[int, int], _TimeRatios]:
-    """Everything ``BlockProfile`` holds about one block but ``side_bytes``, re-run on its own
-    from its call in the step, and which of ``side_inputs`` (its arguments besides the hidden
-    state) its graph saves: those count once for the chain, not in its ``saved_bytes``.
+    """Everything ``BlockProfile`` holds about one block but its side inputs' fields
+    (``_with_side_inputs`` fills those for the chain), re-run on its own from its call in the
+    step, and which of ``side_inputs`` (its arguments besides the hidden state) its graph
+    saves: those count once for the chain, not in its ``saved_bytes``.
 
     Its backward and extra times are multiples of its forward timed in the same rounds (the
     ``_TimeRatios`` returned, which ``profile`` pools over identical blocks) times its forward
