@@ -1,0 +1,52 @@
+"""The checkpoint engine: run a region so that what it saves for backward gets a fate.
+
+``checkpoint(fn, *args, **kwargs)`` runs ``fn`` once, normally, but every tensor that autograd
+would save for the backward pass is handed to us instead (``saved_tensors_hooks``). We keep only a
+small "slot" per saved tensor; when backward asks for one, we run ``fn`` again on the same inputs
+(with the same RNG and autocast state) and hand out the tensors this recomputation saves. A policy
+can mark operations whose outputs are kept, or offloaded to CPU memory, instead of recomputed.
+
+Invariants (DESIGN.md, "Engine invariants"; tests cite them by number):
+
+1. Gradients, outputs and parameter updates equal the plain model's, bit for bit where the ops
+   are deterministic, dropout included: RNG state is replayed for the CPU and every device.
+2. Recomputation has no side effect a user can see: module buffers (BatchNorm running
+   statistics) end the step as if each block ran forward once. Module hooks do run again.
+3. Without grad (``no_grad``, ``inference_mode``) the engine does nothing at all.
+4. Frozen inputs work: a region whose inputs do not require grad still gives its parameters
+   their gradients.
+5. Keyword arguments, non-tensor outputs, nested checkpoints, ``torch.autograd.grad``,
+   ``backward(retain_graph=True)`` twice and autocast behave as without checkpointing.
+6. Recomputation stops as soon as the tensors backward needs exist, and frees them after use.
+7. A mismatch between forward and recomputation is a ``CheckpointError``, never a wrong grad.
+
+How nesting and lifetimes work (the rules that region.py implements):
+
+R1. A saved tensor belongs to the innermost active checkpoint only (its hooks are on top).
+R2. A checkpoint saves its own inputs through a no-op autograd node. At top level that simply
+    keeps them; inside another checkpoint they become that parent's saved tensors, so the parent
+    drops them and recomputing the parent brings them back. Recomputing a tensor therefore
+    recomputes every checkpoint around it, outermost first.
+R3. Recomputation starts as if no checkpoint were active; checkpoints met while recomputing are
+    respected (so a nested schedule recomputes the inner segment again, with bounded memory).
+R4. Recomputed tensors belong to one backward pass (its graph task id). Each is handed out once
+    and dropped; whatever that backward never asked for is dropped when it ends.
+R5. Recomputation raises ``_RecomputationComplete`` the moment the last slot is filled, which
+    skips the rest of the region (invariant 6).
+"""
+
+# The underscore names are what gradckpt.segments and gradckpt.profile use of the engine's
+# insides, until the engine gives them a public internal interface (issue 13).
+from .debug import _debug_state, debug_mode  # noqa: F401
+from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
+from .policy_mode import _PolicyMode  # noqa: F401
+from .region import _Region, _unpack, checkpoint  # noqa: F401
+from .tensors import _detached_like, _first_tensor, _storage_key  # noqa: F401
+
+__all__ = [
+    "checkpoint",
+    "checkpoint_module",
+    "uncheckpoint_module",
+    "is_checkpointed",
+    "debug_mode",
+]

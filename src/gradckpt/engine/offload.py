@@ -1,0 +1,99 @@
+"""The offload fate: an operation's outputs in CPU memory until recomputation needs them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class _Offloaded:
+    """An operation's outputs moved to CPU memory, and the way back (tree of ``_HostCopy``)."""
+
+    def __init__(self, output: Any) -> None:
+        leaves, self.spec = tree_flatten(output)
+        self.entries = [_HostCopy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def copies(self) -> list[_HostCopy]:
+        return [entry for entry in self.entries if isinstance(entry, _HostCopy)]
+
+    def prefetch(self) -> None:
+        for copy in self.copies():
+            copy.prefetch()
+
+    def finish_before_mutation(self) -> None:
+        for copy in self.copies():
+            copy.finish_before_mutation()
+
+    def restore(self, fresh_copy: bool) -> Any:
+        leaves = [
+            entry.restore(fresh_copy) if isinstance(entry, _HostCopy) else entry
+            for entry in self.entries
+        ]
+        return tree_unflatten(leaves, self.spec)
+
+
+class _HostCopy:
+    """One tensor in CPU memory while the forward goes on, back on its device for backward.
+
+    On an accelerator the copy runs on a side stream into pinned memory, so it overlaps with the
+    rest of the forward; recomputation starts copying a region's tensors back all at once
+    (prefetch) and waits for each one only when it is needed. On the CPU there is nowhere cheaper
+    to put a tensor: it is simply kept (documented: OFFLOAD is KEEP for CPU-resident models).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.device = tensor.device
+        self.on_accelerator = tensor.device.type not in ("cpu", "meta")
+        self.back: tuple[torch.Tensor, Any] | None = None
+        if not self.on_accelerator:
+            self.host = tensor.detach()
+            return
+        module = torch.get_device_module(self.device.type)
+        stream = _side_stream(self.device)
+        stream.wait_stream(module.current_stream(self.device))  # the tensor must be written first
+        with module.stream(stream):
+            self.host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+            self.host.copy_(tensor.detach(), non_blocking=True)
+            self.copied = stream.record_event()
+        # The allocator must not hand the tensor's memory to anyone before the copy has read it.
+        tensor.record_stream(stream)
+
+    def finish_before_mutation(self) -> None:
+        if not self.on_accelerator:
+            self.host = self.host.clone()
+            return
+        module = torch.get_device_module(self.device.type)
+        module.current_stream(self.device).wait_event(self.copied)
+
+    def prefetch(self) -> None:
+        if not self.on_accelerator or self.back is not None:
+            return
+        module = torch.get_device_module(self.device.type)
+        stream = _side_stream(self.device)
+        with module.stream(stream):
+            tensor = torch.empty_like(self.host, device=self.device)
+            tensor.copy_(self.host, non_blocking=True)
+            self.back = (tensor, stream.record_event())
+
+    def restore(self, fresh_copy: bool) -> torch.Tensor:
+        if not self.on_accelerator:
+            return self.host.clone() if fresh_copy else self.host.detach()
+        self.prefetch()
+        tensor, ready = self.back
+        self.back = None  # drop our reference: backward owns the tensor from here (invariant 6)
+        current = torch.get_device_module(self.device.type).current_stream(self.device)
+        current.wait_event(ready)
+        tensor.record_stream(current)  # made on the side stream, used and freed on this one
+        return tensor
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _side_streams:
+        _side_streams[device] = torch.get_device_module(device.type).Stream(device)
+    return _side_streams[device]
+

@@ -1,0 +1,317 @@
+"""One checkpointed call: the region, its slots, its recomputation (rules R1-R5 in the
+package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..errors import CheckpointError, UsageError
+from ..policies import Policy, PolicyLike, resolve_policy
+from .ambient import _AutocastSnapshot, _BufferGuard, _RngSnapshot
+from .debug import _debug_state, _first_divergence
+from .policy_mode import _OpRecord, _PolicyMode
+from .tensors import _describe, _engine_internal, _metadata, _producer
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    policy: PolicyLike = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` and recompute what it saves for backward instead of storing it.
+
+    Only the region's inputs are kept (plus what ``policy`` chooses to keep or offload); the
+    backward pass runs ``fn`` again to rebuild the rest. Gradients equal those of calling ``fn``
+    directly. Without grad (``torch.no_grad()``, ``torch.inference_mode()``) this is exactly
+    ``fn(*args, **kwargs)``.
+
+    Args:
+        fn: any callable; a module, a function, a lambda.
+        preserve_rng_state: replay the CPU's and every accelerator's RNG state in recomputation,
+            so dropout draws the same masks. Turn off only for regions without randomness.
+        policy: ``None`` (recompute everything), a preset name (``"save-matmuls"``,
+            ``"offload-matmuls"``) or a callable ``(op, output) -> Fate``.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = gradckpt.checkpoint(layer, x, policy="save-matmuls")
+        >>> y.sum().backward()
+        >>> x.grad.shape
+        torch.Size([4, 8])
+    """
+    return _run_checkpointed(
+        fn, args, kwargs, name=None, policy=policy, preserve_rng_state=preserve_rng_state
+    )
+
+class _RecomputationComplete(Exception):
+    """Raised from inside recomputation once every slot is filled (R5)."""
+
+
+class _SaveInputs(torch.autograd.Function):
+    """A no-op node whose only job is to save the region's inputs (R2).
+
+    ``anchor`` requires grad so the node exists even when no input does (frozen inputs,
+    invariant 4). The node is never part of the loss's graph; the region holds it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # never runs: nothing depends on the output
+        raise AssertionError("gradckpt: the input-saving node cannot be differentiated")
+
+
+class _Slot:
+    """What autograd stores in place of a saved tensor: per backward pass, the recomputed tensor.
+
+    Its position in ``region.slots`` is the order in which the forward pass saved it, which is
+    the order in which recomputation saves it again.
+    """
+
+    __slots__ = ("region", "tensors", "__weakref__")
+
+    def __init__(self, region: _Region) -> None:
+        self.region = region
+        self.tensors: dict[int, torch.Tensor] = {}  # graph task id -> recomputed tensor
+
+
+_outside_backward_ids = itertools.count(-2, -1)  # graph ids for unpacks outside any backward
+
+
+class _Region:
+    """The state of one ``checkpoint`` call, alive as long as its part of the graph is."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        policy: Policy | None,
+        preserve_rng_state: bool,
+        debug: bool,
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.policy = policy
+        self.debug = debug
+        self.preserve_rng_state = preserve_rng_state
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.saved_metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self.saved_by: list[type | None] = []  # what made each saved tensor (_producer)
+        self.op_records: list[_OpRecord] = []
+        self.forward_log: list[str] = []
+        self.recompute_log: list[str] = []
+        self.graphs_with_cleanup: set[int] = set()
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def save_inputs(self, args: tuple, kwargs: dict) -> None:
+        leaves, self.input_spec = tree_flatten((args, kwargs))
+        self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        tensors = [leaves[i] for i in self.tensor_positions]
+        self.input_requires_grad = [t.requires_grad for t in tensors]
+        self.other_leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        anchor = torch.empty(0, requires_grad=True)
+        self.input_node = _SaveInputs.apply(anchor, *tensors).grad_fn
+        self.rng = _RngSnapshot(tensors) if self.preserve_rng_state else None
+        self.autocast = _AutocastSnapshot(tensors)
+
+    def pack_during_forward(self, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(self)
+        self.slots.append(weakref.ref(slot))
+        self.saved_metadata.append(_metadata(tensor))
+        self.saved_by.append(_producer(tensor))
+        return slot
+
+    # ---- backward ---------------------------------------------------------------------------
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        graph_id = torch._C._current_graph_task_id()
+        outside_backward = graph_id == -1
+        if outside_backward:  # e.g. someone reads grad_fn._saved_self by hand
+            graph_id = next(_outside_backward_ids)
+        if graph_id not in slot.tensors:
+            self.recompute(graph_id)
+        tensor = slot.tensors.pop(graph_id)  # R4: handed out once, then ours no longer
+        if outside_backward:
+            self.drop_recomputed(graph_id)
+        return tensor
+
+    def recompute(self, graph_id: int) -> None:
+        if graph_id >= 0 and graph_id not in self.graphs_with_cleanup:
+            # R4: whatever this backward never unpacks is dropped when it ends.
+            self.graphs_with_cleanup.add(graph_id)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_drop_recomputed, weakref.ref(self), graph_id)
+            )
+        args, kwargs = self.recompute_inputs()
+        filled = _FillCounter()
+        self.recompute_log = []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            if self.rng is not None:
+                stack.enter_context(self.rng.replayed())
+            stack.enter_context(self.autocast.replayed())
+            stack.enter_context(_BufferGuard())
+            if self.policy is not None or self.debug:
+                stack.enter_context(_PolicyMode(self, recomputing=True))
+            stack.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(
+                    functools.partial(self.pack_during_recompute, graph_id, filled),
+                    _identity,
+                )
+            )
+            try:
+                self.fn(*args, **kwargs)
+            except _RecomputationComplete:
+                pass
+        if filled.count < len(self.slots):
+            raise self.mismatch(
+                f"saved {filled.count} tensors for backward but its forward pass saved "
+                f"{len(self.slots)}"
+            )
+
+    def pack_during_recompute(
+        self, graph_id: int, filled: _FillCounter, tensor: torch.Tensor
+    ) -> torch.Tensor:
+        index = filled.count
+        filled.count += 1
+        if index >= len(self.slots):
+            # Only reachable when the forward itself ran backward before finishing (R5 normally
+            # stops us at len(slots)); then the extra tensors are the forward's own business.
+            return tensor
+        if _metadata(tensor) != self.saved_metadata[index]:
+            raise self.mismatch(
+                f"produced a different saved tensor #{index}: the forward pass saved "
+                f"{_describe(self.saved_metadata[index])}, recomputation saved "
+                f"{_describe(_metadata(tensor))}"
+            )
+        # Same shape, another operation (relu in the forward, sigmoid in recomputation): the
+        # node that produced it tells. Region inputs are fresh leaves in recomputation (no node).
+        producer = _producer(tensor)
+        forward_producer = self.saved_by[index]
+        if None not in (producer, forward_producer) and producer is not forward_producer:
+            raise self.mismatch(
+                f"produced saved tensor #{index} ({_describe(_metadata(tensor))}) with "
+                f"{producer.__name__}, where the forward pass produced it with "
+                f"{forward_producer.__name__}"
+            )
+        # Detached: the slot must not keep the recomputed graph (and a cycle through it) alive.
+        with _engine_internal():
+            tensor = tensor.detach()
+        slot = self.slots[index]()
+        if slot is not None:  # None: that part of the graph is gone already
+            slot.tensors[graph_id] = tensor
+        if filled.count == len(self.slots):
+            raise _RecomputationComplete
+        return tensor
+
+    def recompute_inputs(self) -> tuple[tuple, dict]:
+        # Unpacking may recompute a parent region first (R2).
+        saved = self.input_node.saved_tensors
+        leaves = list(self.other_leaves)
+        for position, tensor, requires_grad in zip(
+            self.tensor_positions, saved, self.input_requires_grad, strict=True
+        ):
+            # Detached so the recomputed graph stays separate from the real one, with the same
+            # requires_grad so autograd saves exactly what it saved in the forward pass.
+            leaves[position] = tensor.detach().requires_grad_(requires_grad)
+        return tree_unflatten(leaves, self.input_spec)
+
+    def drop_recomputed(self, graph_id: int) -> None:
+        for slot_ref in self.slots:
+            slot = slot_ref()
+            if slot is not None:
+                slot.tensors.pop(graph_id, None)
+
+    def mismatch(self, what_differed: str) -> CheckpointError:
+        """The error for a recomputation that did not reproduce the forward (invariant 7)."""
+        if self.debug:
+            where = "\n" + _first_divergence(self.forward_log, self.recompute_log)
+        else:
+            where = " Run the step under gradckpt.debug_mode() to see where it diverged."
+        return CheckpointError(
+            f"gradckpt: recomputing region {self.name!r} {what_differed}. The region does not "
+            "compute the same thing twice (data-dependent control flow, or state that changed "
+            "between forward and backward)." + where
+        )
+
+
+class _FillCounter:
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _drop_recomputed(region_ref: weakref.ref[_Region], graph_id: int) -> None:
+    region = region_ref()
+    if region is not None:
+        region.drop_recomputed(graph_id)
+        region.graphs_with_cleanup.discard(graph_id)
+
+
+def _unpack(slot: _Slot) -> torch.Tensor:
+    return slot.region.unpack(slot)
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _run_checkpointed(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    name: str | None,
+    policy: PolicyLike,
+    preserve_rng_state: bool,
+) -> Any:
+    if not callable(fn):
+        raise UsageError(
+            f"checkpoint() needs a callable as its first argument (a module or function), "
+            f"got {type(fn).__name__}"
+        )
+    if not torch.is_grad_enabled():  # invariant 3: nothing to recompute without a backward
+        return fn(*args, **kwargs)
+    region = _Region(
+        fn,
+        name=name or _name_of(fn),
+        policy=resolve_policy(policy),
+        preserve_rng_state=preserve_rng_state,
+        debug=_debug_state.enabled,
+    )
+    region.save_inputs(args, kwargs)
+    with contextlib.ExitStack() as stack:
+        if region.policy is not None or region.debug:
+            stack.enter_context(_PolicyMode(region, recomputing=False))
+        stack.enter_context(
+            torch.autograd.graph.saved_tensors_hooks(region.pack_during_forward, _unpack)
+        )
+        return fn(*args, **kwargs)
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    # _get_name: the class name as the user wrote it (and repr shows it), not our wrapper's.
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return owner._get_name()
+    if isinstance(fn, torch.nn.Module):
+        return fn._get_name()
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+

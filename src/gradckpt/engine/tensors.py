@@ -1,0 +1,73 @@
+"""Small facts about tensors the engine needs everywhere, and the flag that hides the engine's
+own tensor work from policy modes."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+class _InternalWork(threading.local):
+    """Set while the engine itself runs tensor operations inside a region (copying buffers,
+    detaching saved tensors): the policy mode must neither count nor log those, or forward and
+    recomputation would seem to differ. Outer modes (e.g. MemTracker) still see them."""
+
+    active = False
+
+
+_internal_work = _InternalWork()
+
+
+@contextlib.contextmanager
+def _engine_internal() -> Iterator[None]:
+    previous = _internal_work.active
+    _internal_work.active = True
+    try:
+        yield
+    finally:
+        _internal_work.active = previous
+
+
+def _metadata(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return (tensor.shape, tensor.dtype, tensor.device)
+
+
+def _producer(tensor: torch.Tensor) -> type | None:
+    """The type of autograd node that made a saved tensor, where it identifies the operation.
+
+    None for leaves (region inputs are fresh leaves in recomputation) and for views: autograd
+    may record the same reshape as ViewBackward0 once and ReshapeAliasBackward0 the next time.
+    """
+    node = tensor.grad_fn
+    if node is None or tensor._is_view():
+        return None
+    return type(node)
+
+
+def _describe(metadata: tuple[torch.Size, torch.dtype, torch.device]) -> str:
+    shape, dtype, device = metadata
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
+
+
+def _first_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor in a (possibly nested) output: an op's primary output, a block's hidden
+    state."""
+    return next((leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)), None)
+
+
+def _detached_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached alias that requires grad exactly when the original does."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, fakes)
+        return None
+
