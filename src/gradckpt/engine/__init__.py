@@ -3,13 +3,16 @@
 ``checkpoint(fn, *args, **kwargs)`` runs ``fn`` once, normally, but every tensor that autograd
 would save for the backward pass is handed to us instead (``saved_tensors_hooks``). We keep only a
 small "slot" per saved tensor; when backward asks for one, we run ``fn`` again on the same inputs
-(with the same RNG and autocast state) and hand out the tensors this recomputation saves. A policy
+(under the RNG, autocast, default device and dtype and global settings of the forward pass:
+``ambient.py``) and hand out the tensors this recomputation saves. A policy
 can mark operations whose outputs are kept, or offloaded to CPU memory, instead of recomputed.
 
 Invariants (DESIGN.md, "Engine invariants"; tests cite them by number):
 
 1. Gradients, outputs and parameter updates equal the plain model's, bit for bit where the ops
-   are deterministic, dropout included: RNG state is replayed for the CPU and every device.
+   are deterministic, dropout included: RNG state is replayed for the CPU and every device, and
+   so is every other state the region's operations depend on (default device and dtype, fake
+   mode, deterministic algorithms, precision and kernel settings).
 2. Recomputation has no side effect a user can see: module buffers (BatchNorm running
    statistics) end the step as if each block ran forward once. Module hooks do run again.
 3. Without grad (``no_grad``, ``inference_mode``) the engine does nothing at all.
@@ -18,7 +21,9 @@ Invariants (DESIGN.md, "Engine invariants"; tests cite them by number):
 5. Keyword arguments, non-tensor outputs, nested checkpoints, ``torch.autograd.grad``,
    ``backward(retain_graph=True)`` twice and autocast behave as without checkpointing.
 6. Recomputation stops as soon as the tensors backward needs exist, and frees them after use.
-7. A mismatch between forward and recomputation is a ``CheckpointError``, never a wrong grad.
+7. A mismatch between forward and recomputation is a ``CheckpointError``, never a wrong grad:
+   so is a parameter, buffer or input changed in place before backward. A kept or offloaded
+   output changed in place after the region is noticed (version counter) and recomputed.
 
 How nesting and lifetimes work (the rules that region.py implements):
 

@@ -1,16 +1,34 @@
 """The state a region's operations depend on besides their inputs, recorded in the forward pass
-and replayed in recomputation; and the guard that undoes recomputation's effect on buffers."""
+and replayed in recomputation; and the guard that undoes recomputation's effect on buffers.
+
+Recomputation runs inside backward, where the caller may have changed anything global since the
+forward pass (left a ``with torch.device("meta"):`` block, switched the default dtype, turned on
+deterministic algorithms), and on CUDA it runs on autograd's own thread. Whatever decides what a
+region's operations compute, beyond their inputs, is therefore recorded when the region starts
+and put in place around its recomputation, then put back as the caller had it:
+
+- the random number generators of the CPU and every accelerator device (dropout);
+- autocast, per device type;
+- the default device (``torch.device(...)`` as a context, ``torch.set_default_device``), which
+  factory functions such as ``torch.ones`` use, and the ``FakeTensorMode`` that makes them
+  fake tensors (``estimate`` runs regions under one);
+- the global settings in ``_SETTINGS``: default dtype, deterministic algorithms, float32
+  matmul precision, cuDNN and scaled-dot-product-attention backend choices.
+
+Grad mode needs no record: a region only records in the forward pass with grad enabled, and
+recomputation always runs with grad enabled.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from .tensors import _engine_internal
+from .tensors import _engine_internal, _version_of
 
 
 def _current_accelerator() -> torch.device | None:
@@ -96,18 +114,120 @@ class _AutocastSnapshot:
             yield
 
 
+class _Setting:
+    """One global setting that changes what operations compute: how to read it and set it."""
+
+    __slots__ = ("name", "get", "set")
+
+    def __init__(self, name: str, get: Callable[[], Any], set: Callable[[Any], None]) -> None:
+        self.name = name
+        self.get = get
+        self.set = set
+
+
+def _set_deterministic(mode: tuple[bool, bool]) -> None:
+    enabled, warn_only = mode
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _attribute(owner_name: str, owner: Any, name: str) -> _Setting:
+    return _Setting(
+        f"{owner_name}.{name}",
+        lambda: getattr(owner, name),
+        lambda value: setattr(owner, name, value),
+    )
+
+
+def _sdp_backend(name: str) -> _Setting:
+    cuda = torch.backends.cuda
+    return _Setting(
+        f"torch.backends.cuda.{name}_sdp_enabled",
+        getattr(cuda, f"{name}_sdp_enabled"),
+        getattr(cuda, f"enable_{name}_sdp"),
+    )
+
+
+_SETTINGS = (
+    _Setting("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+    _Setting(
+        "deterministic algorithms",
+        lambda: (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        _set_deterministic,
+    ),
+    _Setting(
+        "float32 matmul precision",
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+    ),
+    *(
+        _attribute("torch.backends.cuda.matmul", torch.backends.cuda.matmul, name)
+        for name in (
+            "allow_fp16_reduced_precision_reduction",
+            "allow_bf16_reduced_precision_reduction",
+        )
+    ),
+    *(
+        _attribute("torch.backends.cudnn", torch.backends.cudnn, name)
+        for name in ("allow_tf32", "deterministic", "benchmark")
+    ),
+    # Which fused attention kernel scaled_dot_product_attention picks (torch.nn.attention's
+    # sdpa_kernel sets these): another kernel saves other tensors for backward.
+    *(_sdp_backend(name) for name in ("flash", "mem_efficient", "math", "cudnn")),
+)
+
+
+def _active_fake_mode() -> Any:
+    """The active ``FakeTensorMode`` (torch keeps at most one, in a slot of its own), or None."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+class _AmbientState:
+    """Everything besides its inputs that a region's operations depend on, as it was when the
+    forward pass entered the region; ``replayed()`` puts it in place for recomputation."""
+
+    def __init__(self, tensors: list[torch.Tensor], preserve_rng_state: bool) -> None:
+        self.rng = _RngSnapshot(tensors) if preserve_rng_state else None
+        self.autocast = _AutocastSnapshot(tensors)
+        self.default_device = torch.get_default_device()
+        self.fake_mode = _active_fake_mode()
+        self.settings = [(setting, setting.get()) for setting in _SETTINGS]
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.rng is not None:
+                stack.enter_context(self.rng.replayed())
+            stack.enter_context(self.autocast.replayed())
+            # Only where it differs: a device context is a mode every torch call passes through.
+            if torch.get_default_device() != self.default_device:
+                stack.enter_context(self.default_device)
+            if self.fake_mode is not None and _active_fake_mode() is not self.fake_mode:
+                stack.enter_context(self.fake_mode)
+            for setting, value in self.settings:
+                current = setting.get()
+                if current != value:
+                    setting.set(value)
+                    stack.callback(setting.set, current)
+            yield
+
+
 class _BufferGuard:
     """Puts module buffers back as they were before recomputation (invariant 2).
 
     A global forward pre-hook (active on this thread only while recomputing) copies the buffers of
     every module the region calls before it runs; afterwards every one of them gets its old value
     back. All of them, not just those whose version counter moved: BatchNorm's kernel updates its
-    running statistics without bumping the counter.
+    running statistics without bumping the counter. The version counter is put back too: a
+    buffer saved for backward (BatchNorm saves its running statistics) must look unchanged to
+    the next recomputation that saves it, which checks versions.
     """
 
     def __enter__(self) -> _BufferGuard:
         self.thread = threading.get_ident()
-        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(self.remember)
         return self
 
@@ -117,11 +237,13 @@ class _BufferGuard:
         with _engine_internal():
             for buffer in module._buffers.values():
                 if buffer is not None and id(buffer) not in self.snapshots:
-                    self.snapshots[id(buffer)] = (buffer, buffer.detach().clone())
+                    copy = buffer.detach().clone()
+                    self.snapshots[id(buffer)] = (buffer, copy, _version_of(buffer))
 
     def __exit__(self, *exc_info: Any) -> None:
         self.hook.remove()
         with torch.no_grad(), _engine_internal():
-            for buffer, copy in self.snapshots.values():
+            for buffer, copy, version in self.snapshots.values():
                 buffer.copy_(copy)
-
+                if version is not None:
+                    torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))

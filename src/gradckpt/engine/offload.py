@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .tensors import _alias_sharing_version, _version_of
 
 
 class _Offloaded:
@@ -26,6 +29,9 @@ class _Offloaded:
         for copy in self.copies():
             copy.finish_before_mutation()
 
+    def changed_after_copy(self) -> bool:
+        return any(copy.changed_after_copy() for copy in self.copies())
+
     def restore(self, fresh_copy: bool) -> Any:
         leaves = [
             entry.restore(fresh_copy) if isinstance(entry, _HostCopy) else entry
@@ -40,16 +46,24 @@ class _HostCopy:
     On an accelerator the copy runs on a side stream into pinned memory, so it overlaps with the
     rest of the forward; recomputation starts copying a region's tensors back all at once
     (prefetch) and waits for each one only when it is needed. On the CPU there is nowhere cheaper
-    to put a tensor: it is simply kept (documented: OFFLOAD is KEEP for CPU-resident models).
+    to put a tensor: it is simply kept (documented: OFFLOAD is KEEP for CPU-resident models), and
+    so are meta and fake tensors, which have no memory to copy.
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.device = tensor.device
-        self.on_accelerator = tensor.device.type not in ("cpu", "meta")
+        # Fake tensors (estimate) have a device but no memory to copy: they are kept.
+        self.on_accelerator = tensor.device.type not in ("cpu", "meta") and not _is_fake(tensor)
         self.back: tuple[torch.Tensor, Any] | None = None
         if not self.on_accelerator:
-            self.host = tensor.detach()
+            self.host = _alias_sharing_version(tensor)
+            self.source: weakref.ref[torch.Tensor] | None = None
+            self.version = _version_of(self.host)
             return
+        # The copy runs while the program goes on: a change to the tensor made before it is
+        # done could reach the copy. Watch the tensor (weakly: offload must not keep it alive).
+        self.source = weakref.ref(tensor)
+        self.version = _version_of(tensor)
         module = torch.get_device_module(self.device.type)
         stream = _side_stream(self.device)
         stream.wait_stream(module.current_stream(self.device))  # the tensor must be written first
@@ -63,9 +77,23 @@ class _HostCopy:
     def finish_before_mutation(self) -> None:
         if not self.on_accelerator:
             self.host = self.host.clone()
+            self.version = _version_of(self.host)
             return
         module = torch.get_device_module(self.device.type)
         module.current_stream(self.device).wait_event(self.copied)
+        self.source = None  # the region changes it from here on, after the copy is done
+
+    def changed_after_copy(self) -> bool:
+        """Whether the tensor was changed in place outside the region since it was copied.
+
+        On the CPU the copy is the tensor itself. On an accelerator only a tensor still alive
+        can be checked; one that died can only have been changed through an alias that
+        autograd does not track either (``.data``, ``detach()``), as docs/engine.md says.
+        """
+        if not self.on_accelerator:
+            return _version_of(self.host) != self.version
+        source = self.source() if self.source is not None else None
+        return source is not None and _version_of(source) != self.version
 
     def prefetch(self) -> None:
         if not self.on_accelerator or self.back is not None:
@@ -87,6 +115,12 @@ class _HostCopy:
         current.wait_event(ready)
         tensor.record_stream(current)  # made on the side stream, used and freed on this one
         return tensor
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
 
 
 _side_streams: dict[torch.device, Any] = {}

@@ -3,6 +3,7 @@ kept and offloaded outputs back in recomputation."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +14,14 @@ from ..errors import UsageError
 from ..policies import Fate
 from .debug import _user_frame
 from .offload import _Offloaded
-from .tensors import _engine_internal, _first_tensor, _internal_work, _storage_key
+from .tensors import (
+    _alias_sharing_version,
+    _engine_internal,
+    _first_tensor,
+    _internal_work,
+    _storage_key,
+    _version_of,
+)
 
 if TYPE_CHECKING:
     from .region import _Region
@@ -22,12 +30,14 @@ if TYPE_CHECKING:
 class _OpRecord:
     """One policy-asked operation of the forward pass: what it was, its fate, what we stored."""
 
-    __slots__ = ("op", "fate", "stored", "mutated_later")
+    __slots__ = ("op", "fate", "stored", "versions", "mutated_later")
 
     def __init__(self, op: torch._ops.OpOverload, fate: Fate, stored: Any) -> None:
         self.op = op
         self.fate = fate
         self.stored = stored
+        # A kept output shares its version counter with the tensor the region returned.
+        self.versions = _versions(stored) if fate is Fate.KEEP else None
         self.mutated_later = False
 
     def protect_from_mutation(self) -> None:
@@ -39,6 +49,7 @@ class _OpRecord:
         self.mutated_later = True
         if self.fate is Fate.KEEP:
             self.stored = tree_map_only(torch.Tensor, torch.Tensor.clone, self.stored)
+            self.versions = _versions(self.stored)
         else:
             self.stored.finish_before_mutation()
 
@@ -46,6 +57,24 @@ class _OpRecord:
     def handed_out(self) -> bool:
         """A kept output already given to a recomputation: a later one must run the op again."""
         return self.fate is Fate.KEEP and self.stored is None
+
+    def changed_after_region(self) -> bool:
+        """Whether what we stored was changed in place after the forward pass left the region.
+
+        The user may modify a returned tensor before backward (``y = block(x); y.mul_(2)``).
+        Handing the changed value to recomputation would give a wrong gradient; running the
+        operation again gives the true one (plain autograd would raise instead). The region's
+        own in-place changes are not counted: ``protect_from_mutation`` made a private copy.
+        """
+        if self.fate is Fate.KEEP:
+            return _versions(self.stored) != self.versions
+        return self.stored.changed_after_copy()
+
+    def give_up_stored(self) -> None:
+        """From now on run the operation again: what we stored is stale (and its copy on the
+        way back, if any, is freed)."""
+        self.fate = Fate.RECOMPUTE
+        self.stored = None
 
     def replay(self) -> Any:
         if self.fate is Fate.OFFLOAD:
@@ -60,6 +89,24 @@ class _OpRecord:
         return tree_map_only(torch.Tensor, torch.Tensor.detach, stored)
 
 
+def _versions(tree: Any) -> list[int | None]:
+    return [_version_of(leaf) for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
+@functools.cache
+def _is_query(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` returns no tensor and changes none: sizes, strides, device, ``.item()``.
+
+    These are not operations of the region. A tensor subclass that reports its sizes through
+    dispatch (a jagged NestedTensor, DTensor, a wrapper subclass) answers every such question
+    autograd, the subclass itself or the engine asks, and they ask more of them in one pass than
+    in another; counted, they would make a faithful recomputation look like a different one.
+    Nothing they return can be kept, so no policy is asked either.
+    """
+    schema = op._schema
+    return not schema.is_mutable and not any("Tensor" in str(ret.type) for ret in schema.returns)
+
+
 def _asks_policy(op: torch._ops.OpOverload) -> bool:
     # Views and in-place operations alias tensors that exist anyway: nothing to keep.
     return not op.is_view and not op._schema.is_mutable
@@ -72,6 +119,7 @@ class _PolicyMode(TorchDispatchMode):
     the outputs it chooses. Recomputation: hands those back instead of running the operation
     again, after checking that the same operation comes at the same position (invariant 7).
     In debug mode it also logs every operation with the line of user code that called it.
+    Queries that return no tensor (``_is_query``) are neither asked about, counted nor logged.
     """
 
     def __init__(self, region: _Region, recomputing: bool) -> None:
@@ -89,7 +137,7 @@ class _PolicyMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         region = self.region
-        if _internal_work.active:
+        if _internal_work.active or _is_query(func):
             return func(*args, **kwargs)
         if region.debug:
             self.log.append(f"{func}  ({_user_frame()})")
@@ -119,7 +167,7 @@ class _PolicyMode(TorchDispatchMode):
                 "a policy must return gradckpt.Fate.KEEP, .RECOMPUTE or .OFFLOAD"
             )
         if fate is Fate.KEEP:
-            stored = tree_map_only(torch.Tensor, torch.Tensor.detach, output)
+            stored = tree_map_only(torch.Tensor, _alias_sharing_version, output)
         elif fate is Fate.OFFLOAD:
             stored = _Offloaded(output)
         else:
@@ -149,6 +197,8 @@ class _PolicyMode(TorchDispatchMode):
             raise region.mismatch(
                 f"ran {func} as operation #{position}, where the forward pass ran {expected}"
             )
+        if record.fate is not Fate.RECOMPUTE and record.changed_after_region():
+            record.give_up_stored()
         if record.fate is Fate.RECOMPUTE or record.handed_out:
             return func(*args, **kwargs)
         with _engine_internal():

@@ -15,10 +15,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import CheckpointError, UsageError
 from ..policies import Policy, PolicyLike, resolve_policy
-from .ambient import _AutocastSnapshot, _BufferGuard, _RngSnapshot
+from .ambient import _AmbientState, _BufferGuard
 from .debug import _debug_state, _first_divergence
 from .policy_mode import _OpRecord, _PolicyMode
-from .tensors import _describe, _engine_internal, _metadata, _producer
+from .tensors import _describe, _engine_internal, _metadata, _producer, _version_of
 
 
 def checkpoint(
@@ -112,6 +112,7 @@ class _Region:
         self.slots: list[weakref.ref[_Slot]] = []
         self.saved_metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.saved_by: list[type | None] = []  # what made each saved tensor (_producer)
+        self.saved_versions: list[int | None] = []  # its version counter when it was saved
         self.op_records: list[_OpRecord] = []
         self.forward_log: list[str] = []
         self.recompute_log: list[str] = []
@@ -127,14 +128,14 @@ class _Region:
         self.other_leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         anchor = torch.empty(0, requires_grad=True)
         self.input_node = _SaveInputs.apply(anchor, *tensors).grad_fn
-        self.rng = _RngSnapshot(tensors) if self.preserve_rng_state else None
-        self.autocast = _AutocastSnapshot(tensors)
+        self.ambient = _AmbientState(tensors, self.preserve_rng_state)
 
     def pack_during_forward(self, tensor: torch.Tensor) -> _Slot:
         slot = _Slot(self)
         self.slots.append(weakref.ref(slot))
         self.saved_metadata.append(_metadata(tensor))
         self.saved_by.append(_producer(tensor))
+        self.saved_versions.append(_version_of(tensor))
         return slot
 
     # ---- backward ---------------------------------------------------------------------------
@@ -163,9 +164,7 @@ class _Region:
         self.recompute_log = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
-            if self.rng is not None:
-                stack.enter_context(self.rng.replayed())
-            stack.enter_context(self.autocast.replayed())
+            stack.enter_context(self.ambient.replayed())
             stack.enter_context(_BufferGuard())
             if self.policy is not None or self.debug:
                 stack.enter_context(_PolicyMode(self, recomputing=True))
@@ -200,6 +199,21 @@ class _Region:
                 f"{_describe(self.saved_metadata[index])}, recomputation saved "
                 f"{_describe(_metadata(tensor))}"
             )
+        # A tensor the region did not make (a parameter, a buffer, a tensor it closes over) is
+        # saved as itself again: changed in place since the forward pass, it would silently
+        # change the gradient. Autograd checks this for the tensors it keeps; we keep none, so
+        # we check instead. What the region makes comes back at the version it had then.
+        version = _version_of(tensor)
+        if version != self.saved_versions[index]:
+            raise CheckpointError(
+                f"gradckpt: recomputing region {self.name!r} saved tensor #{index} "
+                f"({_describe(_metadata(tensor))}) at version {version}, where the forward "
+                f"pass saved it at version {self.saved_versions[index]}: a tensor the region "
+                "uses (a parameter, a buffer, a tensor it closes over) was changed in place "
+                "between the forward pass and backward, for example by optimizer.step() before "
+                "backward(). Plain autograd refuses this too: finish backward before changing "
+                "it, or change a copy."
+            )
         # Same shape, another operation (relu in the forward, sigmoid in recomputation): the
         # node that produced it tells. Region inputs are fresh leaves in recomputation (no node).
         producer = _producer(tensor)
@@ -222,7 +236,17 @@ class _Region:
 
     def recompute_inputs(self) -> tuple[tuple, dict]:
         # Unpacking may recompute a parent region first (R2).
-        saved = self.input_node.saved_tensors
+        try:
+            saved = self.input_node.saved_tensors
+        except RuntimeError as error:
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise CheckpointError(
+                f"gradckpt: an input of region {self.name!r} was changed in place after the "
+                "region ran, and recomputation starts from the inputs. Change a copy instead "
+                "(x = x.clone() before the in-place operation), or run backward first. "
+                f"Autograd's message: {error}"
+            ) from error
         leaves = list(self.other_leaves)
         for position, tensor, requires_grad in zip(
             self.tensor_positions, saved, self.input_requires_grad, strict=True

@@ -66,8 +66,30 @@ def _detached_like(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
+    """What identifies the memory a tensor uses: its storage (views and aliases share it).
+
+    The storage object itself, not its data pointer: fake and meta tensors have storages but no
+    data (every data pointer is 0, and reading a fake one is deprecated), and so does every
+    empty tensor. None for tensors without a storage (sparse tensors, wrapper subclasses).
+    """
     try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, fakes)
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
         return None
 
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place change), None if it has none."""
+    try:
+        return tensor._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _alias_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached alias that shares ``tensor``'s version counter, so that in-place changes to
+    the original show on it. Below autograd, where a dispatch mode runs, ``detach()`` alone
+    makes an alias with a counter of its own; the ADInplaceOrView kernel is what shares it."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
