@@ -406,3 +406,66 @@ def storage_bytes(*tensors: torch.Tensor) -> int:
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# A tensor subclass that answers size questions through dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+class SizesThroughDispatch(torch.Tensor):
+    """A wrapper around a plain tensor that reports its sizes and strides through dispatch.
+
+    Like a jagged NestedTensor or DTensor, every ``x.shape`` asked of it (by autograd, by the
+    subclass itself, by the engine) becomes an ``aten.sym_size`` / ``aten.sym_stride`` call that
+    any dispatch mode above it sees. Every other operation runs on the wrapped tensor and wraps
+    its tensor outputs again. ``SizesThroughDispatch.of(x)`` wraps, ``.unwrapped()`` unwraps.
+    """
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> SizesThroughDispatch:
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            elem.shape,
+            strides=elem.stride(),
+            dtype=elem.dtype,
+            device=elem.device,
+            requires_grad=elem.requires_grad,
+            dispatch_sizes_strides_policy="sizes",
+        )
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> SizesThroughDispatch:
+        wrapped = cls(tensor.detach())
+        return wrapped.requires_grad_(tensor.requires_grad)
+
+    def unwrapped(self) -> torch.Tensor:
+        return self.elem
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"SizesThroughDispatch({self.elem!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["elem"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, size: Any, stride: Any) -> Any:
+        return SizesThroughDispatch(inner["elem"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        from torch.utils._python_dispatch import return_and_correct_aliasing
+        from torch.utils._pytree import tree_map_only
+
+        kwargs = kwargs or {}
+        if func is aten.sym_size.default:
+            return args[0].elem.shape
+        if func is aten.sym_stride.default:
+            return args[0].elem.stride()
+        unwrap = functools.partial(tree_map_only, SizesThroughDispatch, lambda t: t.elem)
+        output = func(*unwrap(args), **unwrap(kwargs))
+        output = tree_map_only(torch.Tensor, SizesThroughDispatch, output)
+        return return_and_correct_aliasing(func, args, kwargs, output)
