@@ -179,6 +179,22 @@ _SETTINGS = (
 )
 
 
+def _default_device() -> torch.device | None:
+    """Where factory functions put tensors: the device of the ``torch.device`` context (also what
+    ``torch.set_default_device`` installs), or None without one (the CPU).
+
+    Read from the mode stack as torch itself does, not with ``torch.get_default_device()``,
+    which makes a tensor to resolve a device without an index.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    return None
+
+
 def _active_fake_mode() -> Any:
     """The active ``FakeTensorMode`` (torch keeps at most one, in a slot of its own), or None."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
@@ -191,7 +207,7 @@ class _AmbientState:
     def __init__(self, tensors: list[torch.Tensor], preserve_rng_state: bool) -> None:
         self.rng = _RngSnapshot(tensors) if preserve_rng_state else None
         self.autocast = _AutocastSnapshot(tensors)
-        self.default_device = torch.get_default_device()
+        self.default_device = _default_device()
         self.fake_mode = _active_fake_mode()
         self.settings = [(setting, setting.get()) for setting in _SETTINGS]
 
@@ -202,8 +218,8 @@ class _AmbientState:
                 stack.enter_context(self.rng.replayed())
             stack.enter_context(self.autocast.replayed())
             # Only where it differs: a device context is a mode every torch call passes through.
-            if torch.get_default_device() != self.default_device:
-                stack.enter_context(self.default_device)
+            if _default_device() != self.default_device:
+                stack.enter_context(torch.device(self.default_device or "cpu"))
             if self.fake_mode is not None and _active_fake_mode() is not self.fake_mode:
                 stack.enter_context(self.fake_mode)
             for setting, value in self.settings:
