@@ -36,7 +36,8 @@ class _OpRecord:
         self.op = op
         self.fate = fate
         self.stored = stored
-        # A kept output shares its version counter with the tensor the region returned.
+        # A kept output is an alias sharing the operation output's version counter: in-place
+        # changes to that output, in the region or after it, move these numbers.
         self.versions = _versions(stored) if fate is Fate.KEEP else None
         self.mutated_later = False
 
@@ -64,7 +65,9 @@ class _OpRecord:
         The user may modify a returned tensor before backward (``y = block(x); y.mul_(2)``).
         Handing the changed value to recomputation would give a wrong gradient; running the
         operation again gives the true one (plain autograd would raise instead). The region's
-        own in-place changes are not counted: ``protect_from_mutation`` made a private copy.
+        own in-place changes are not counted where ``protect_from_mutation`` made a private copy
+        first; where it could not (a subclass without storage to match), running the operation
+        again is right for them too.
         """
         if self.fate is Fate.KEEP:
             return _versions(self.stored) != self.versions
