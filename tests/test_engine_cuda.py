@@ -141,3 +141,46 @@ def test_offload_lowers_the_measured_peak() -> None:
     # Keeping holds all blocks' matmul outputs at the end of forward; offloading at most a
     # couple of blocks' worth while one block's backward runs.
     assert keep_peak - offload_peak >= (blocks // 2) * kept_per_block, (keep_peak, offload_peak)
+
+
+def offload_all(op: Any, output: torch.Tensor) -> gradckpt.Fate:
+    return gradckpt.Fate.OFFLOAD
+
+
+@pytest.mark.parametrize("change", ["mul_", "mul_ of a detached alias"])
+def test_offloaded_output_changed_while_its_copy_may_still_run(change: str) -> None:
+    """Invariant 7 on CUDA: an offloaded output changed in place right after the region, while
+    its copy to pinned memory runs on the side stream, is noticed (the tensor is watched
+    through a weak reference) and recomputed: the true gradient, never the changed values."""
+    x = torch.linspace(0, 2, 1 << 20, device=DEVICE).requires_grad_()
+    y = gradckpt.checkpoint(torch.exp, x, policy=offload_all)
+    if change == "mul_":
+        y.mul_(10)
+        expected = 10 * torch.exp(x.detach())
+    else:
+        y.detach().mul_(10)
+        expected = torch.exp(x.detach())  # the change autograd does not record
+    y.sum().backward()
+    torch.cuda.synchronize()
+    assert_identical(x.grad, expected)
+
+
+def test_cuda_device_context_of_the_forward_pass_is_replayed() -> None:
+    """Invariant 1: a region that creates tensors on the default device, run forward inside
+    ``with torch.device("cuda")`` and backward outside it (on autograd's device thread), gives
+    the plain gradients on the GPU."""
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        return (t * torch.ones(()) + torch.arange(t.shape[-1])).sin()
+
+    def run(checkpointed: bool) -> torch.Tensor:
+        with torch.device(DEVICE):
+            x = torch.linspace(-1, 1, 64).reshape(4, 16).requires_grad_()
+            y = gradckpt.checkpoint(region, x, policy="save-matmuls") if checkpointed else region(x)
+        y.sum().backward()
+        torch.cuda.synchronize()
+        return x.grad
+
+    expected = run(checkpointed=False)
+    assert expected.device.type == "cuda"
+    assert_identical(run(checkpointed=True), expected)
