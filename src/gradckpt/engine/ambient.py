@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 from .tensors import _engine_internal, _version_of
 
@@ -186,9 +188,8 @@ def _default_device() -> torch.device | None:
     Read from the mode stack as torch itself does, not with ``torch.get_default_device()``,
     which makes a tensor to resolve a device without an index.
     """
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
+    if torch._C._len_torch_function_stack() == 0:  # the usual case, and cheap to ask
+        return None
     for mode in reversed(_get_current_function_mode_stack()):
         if isinstance(mode, DeviceContext):
             return mode.device
