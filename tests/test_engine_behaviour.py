@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from engine_models import CallCounter, assert_identical, gradients
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import gradckpt
 from gradckpt import CheckpointError, Fate, GradckptError, UsageError
+from gradckpt.measure import MemoryMeter
 
 THIS_FILE = pathlib.Path(__file__)
 
@@ -161,11 +161,9 @@ def test_without_grad_a_checkpointed_module_runs_exactly_like_the_plain_one(no_g
     peaks = []
     for module in (plain, checkpointed):
         module.eval()
-        tracker = MemTracker()
-        tracker.track_external(module, x)
-        with tracker, no_grad():
+        with MemoryMeter("cpu", module, x) as meter, no_grad():
             y = module(x)
-        peaks.append(tracker.get_tracker_snapshot("peak"))
+        peaks.append(meter.peak())
         assert y.grad_fn is None
         assert module.calls == 1
     assert peaks[0] == peaks[1]

@@ -1,10 +1,10 @@
-"""Exact memory accounting of checkpointed regions, measured with MemTracker on the CPU.
+"""Exact memory accounting of checkpointed regions, measured with the memory meter on the CPU.
 
 DESIGN.md "Measuring": memory is measured by the reference measure (on the CPU
-``torch.distributed._tools.mem_tracker.MemTracker``, its "Total"), never guessed. MemTracker sees
-every storage created inside its context and those registered with ``track_external``; here the
-parameters are registered and every activation is created inside, so each number below is exact
-to the byte.
+``torch.distributed._tools.mem_tracker.MemTracker``, its "Total", read by ``MemoryMeter``), never
+guessed. MemTracker sees every storage created inside its context and those registered with it;
+here the parameters are registered and every activation is created inside, so each number below
+is exact to the byte.
 
 - (a) ``policy=None``: after the forward pass a region retains exactly its inputs (those the
   caller no longer holds) -- nothing else. This is what checkpointing is for.
@@ -26,24 +26,23 @@ import torch
 import torch.nn.functional as F
 from engine_models import storage_bytes
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import gradckpt
+from gradckpt.measure import MemoryMeter
 
 CPU = torch.device("cpu")
 BATCH, WIDTH = 16, 32
 FLOAT_BYTES = 4
 
 
-def current_bytes(tracker: MemTracker) -> int:
-    # MemTracker drops a device from its snapshot when its total reaches zero.
-    return tracker.get_tracker_snapshot("current").get(CPU, {}).get("Total", 0)
+def current_bytes(meter: MemoryMeter) -> int:
+    return meter.current()
 
 
-def tracker_for(*external: object) -> MemTracker:
-    tracker = MemTracker()
-    tracker.track_external(*external)
-    return tracker
+def tracker_for(*external: object) -> MemoryMeter:
+    """gradckpt's memory meter on the CPU: MemTracker's "Total", the objects made before it
+    registered with it."""
+    return MemoryMeter(CPU, *external)
 
 
 def mlp_region() -> nn.Module:
@@ -338,7 +337,7 @@ def test_kept_outputs_backward_does_not_save_are_freed_during_recomputation() ->
             run(leaf * 2).square().sum().backward()
         first.zero_grad(set_to_none=True)
         second.zero_grad(set_to_none=True)
-        return tracker.get_tracker_snapshot("peak")[CPU]["Total"]
+        return tracker.peak()
 
     ours = peak_of_step(lambda x: gradckpt.checkpoint(region, x, policy="save-matmuls"))
     context = functools.partial(create_selective_checkpoint_contexts, torch_policy)

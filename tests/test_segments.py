@@ -17,9 +17,9 @@ import pytest
 import torch
 from hf_models import tiny_llama
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from gradckpt import UsageError
+from gradckpt.measure import MemoryMeter
 from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.segments import checkpoint_segments
 
@@ -92,12 +92,10 @@ def test_nested_segments_recompute_inner_blocks_again() -> None:
 def retained_after_forward(model: TinyGPT) -> int:
     """Bytes held after the forward pass beyond parameters (activations kept for backward)."""
     idx = tokens()
-    tracker = MemTracker()
-    tracker.track_external(model, idx)
-    with tracker:
-        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+    with MemoryMeter("cpu", model, idx) as meter:
+        before = meter.current()
         loss = model(idx, targets=idx)
-        after = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        after = meter.current()
     del loss
     return after - before
 
@@ -263,12 +261,10 @@ def test_the_previous_output_passed_twice_is_replayed_in_both_places() -> None:
 
 def held_after_forward(forward: Callable[[], torch.Tensor], *existing: object) -> int:
     """Bytes a forward pass leaves allocated (its output included) beyond ``existing``."""
-    tracker = MemTracker()
-    tracker.track_external(*existing)
-    with tracker:
-        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+    with MemoryMeter("cpu", *existing) as meter:
+        before = meter.current()
         output = forward()
-        after = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        after = meter.current()
     del output
     return after - before
 

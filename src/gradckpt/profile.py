@@ -39,7 +39,7 @@ from .blocks import resolve_blocks
 from .caches import caches_off
 from .engine import _detached_like, _first_tensor, _storage_key, checkpoint
 from .errors import UsageError
-from .measure import infer_device
+from .measure import MemoryMeter, infer_device
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .plan import simulate
 from .policies import is_matmul_or_attention
@@ -476,69 +476,6 @@ def _record_block_calls(
     return recording
 
 
-class _Memory(TorchDispatchMode):
-    """Allocated bytes on a device now, and the most since the last ``reset_peak()``.
-
-    On CUDA the allocator knows both. On CPU, MemTracker counts what exists (``tracked``: the
-    model and inputs made before it started; everything made inside it), and this mode reads
-    its current total after every operation: unlike a MemTracker started just for a part of a
-    step, that sees the part's frees of older tensors too (a backward pass frees what the
-    forward saved).
-    """
-
-    def __init__(self, device: torch.device, *tracked: Any) -> None:
-        super().__init__()
-        self.device = device
-        self._tracked = [obj for obj in tracked if obj is not None]
-        self._tracker: Any = None
-        self._highest = 0
-
-    def __enter__(self) -> _Memory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        self._tracker = MemTracker()
-        if self._tracked:
-            self._tracker.track_external(*self._tracked)
-        self._tracker.__enter__()
-        self._highest = self.current()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.device.type == "cuda":
-            return
-        super().__exit__(*exc)
-        self._tracker.__exit__(*exc)
-
-    def current(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        snapshot = self._tracker.get_tracker_snapshot("current")
-        return int(sum(breakdown.get("Total", 0) for device, breakdown in snapshot.items()
-                       if torch.device(device) == self.device))
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        return max(self._highest, self.current())
-
-    def reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self._highest = self.current()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        output = func(*args, **(kwargs or {}))
-        self._highest = max(self._highest, self.current())
-        return output
-
-
 class _StepMemory:
     """Memory through one plain step, phase by phase: each phase's peak, and the memory at the
     start and when the chain's backward starts.
@@ -554,7 +491,7 @@ class _StepMemory:
             ("before", "forward", "head", "backward", "after"), 0
         )
         self.start = self.peak = self.chain_backward_start = self.chain_backward_end = 0
-        self._memory: _Memory | None = None
+        self._memory: MemoryMeter | None = None
 
     def measure(self, step: Callable[[], None], *tracked: Any) -> None:
         hooks = [
@@ -562,7 +499,7 @@ class _StepMemory:
             self.last.register_forward_hook(self._chain_ends),
         ]
         try:
-            with _Memory(self.device, *tracked) as memory:
+            with MemoryMeter(self.device, *tracked) as memory:
                 self._memory = memory
                 self.start = memory.current()
                 step()
@@ -649,7 +586,7 @@ def _measure_block(
             saved[key] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with _Memory(device, block, *_tensors((args, kwargs))) as memory:
+    with MemoryMeter(device, block, *_tensors((args, kwargs))) as memory:
         # Each pass's peak above what exists when it starts, frees of older tensors counted:
         # its forward's above its input; its backward's above what the forward saved and the
         # incoming gradient (it frees the saved tensors as it goes).
@@ -799,7 +736,7 @@ def _checkpointed_peaks(
     """
     # The forward runs inside the tracker too: the recomputation frees kept outputs that
     # backward does not save, and a tracker only sees the frees of tensors it knows.
-    with _Memory(device, block, *_tensors(call.leaves)) as memory:
+    with MemoryMeter(device, block, *_tensors(call.leaves)) as memory:
         args, kwargs, _ = call.fresh()
         start = memory.current()
         memory.reset_peak()

@@ -1,0 +1,172 @@
+"""The memory meter: bytes allocated on one device, now and at their highest.
+
+Memory is measured, never guessed, with the two reference measures a budget is defined by
+(DESIGN.md, "Measuring"):
+
+- on CUDA, the caching allocator's own statistics (``torch.cuda.memory_allocated``,
+  ``max_memory_allocated``);
+- on CPU, ``torch.distributed._tools.mem_tracker.MemTracker``, the "Total" of its snapshots.
+  MemTracker only sees tensors created inside it and tensors registered with it, so pass
+  everything that lives across the measured code (model, optimizer, inputs) as ``tracked``.
+
+torch 2.13's MemTracker puts a gradient hook on every parameter of every module it sees, and
+``register_hook`` raises for a parameter that does not require grad: any frozen parameter
+(LoRA's base, a frozen embedding) crashed it. ``_MemTracker`` installs those hooks only on
+parameters that can have a gradient; a frozen one never has one to count, so what is counted
+does not change (``tests/test_meter.py`` checks that both agree to the byte where MemTracker
+works).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .device import infer_device
+
+__all__ = ["MemoryMeter", "measure_peak_bytes"]
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Allocated bytes on ``device`` now (``current()``) and the most since the meter started or
+    since ``reset_peak()`` (``peak()``).
+
+    On CUDA the allocator knows both. On CPU, MemTracker counts what exists (``tracked``: what
+    was made before the meter started; everything made inside it), and the meter reads its
+    current total after every operation: unlike a MemTracker started just for a part of a step,
+    that sees the part's frees of older tensors too (a backward pass frees what the forward
+    saved).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(256, 256)
+        >>> x = torch.randn(64, 256)
+        >>> with MemoryMeter("cpu", model, x) as meter:
+        ...     before = meter.current()
+        ...     model(x).sum().backward()
+        >>> meter.peak() >= before + 4 * 256 * 256  # the weight's gradient, at least
+        True
+    """
+
+    def __init__(self, device: torch.device | str, *tracked: Any) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the memory meter supports cpu and cuda, not {self.device.type!r}")
+        self._tracked = [obj for obj in tracked if obj is not None]
+        self._tracker: Any = None
+        self._highest = 0
+        self._exited = False
+
+    def __enter__(self) -> MemoryMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        self._tracker = _mem_tracker()
+        if self._tracked:
+            self._tracker.track_external(*self._tracked)
+        self._tracker.__enter__()
+        self._highest = self.current()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return
+        self._highest = self.peak()
+        self._exited = True
+        super().__exit__(*exc)
+        self._tracker.__exit__(*exc)
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        snapshot = self._tracker.get_tracker_snapshot("current")
+        return int(sum(breakdown.get("Total", 0) for device, breakdown in snapshot.items()
+                       if torch.device(device) == self.device))
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        if self._exited:  # the last reading is final
+            return self._highest
+        return max(self._highest, self.current())
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._highest = self.current()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        output = func(*args, **(kwargs or {}))
+        self._highest = max(self._highest, self.current())
+        return output
+
+
+def measure_peak_bytes(
+    step_fn: Callable[[], Any], *track: Any, device: torch.device | str | None = None
+) -> int:
+    """Run ``step_fn()`` once and return the peak memory in bytes on ``device`` while it ran.
+
+    ``track``: the modules, optimizers and tensors that exist before the step and stay alive
+    through it (model, optimizer, inputs, targets). On CPU they are registered with the meter so
+    that the peak counts them, as ``torch.cuda.max_memory_allocated()`` does on CUDA. The device
+    defaults to the one the tracked objects live on. Models with frozen parameters (LoRA, PEFT,
+    a frozen embedding) are measured like any other.
+
+    The peak is of everything allocated on the device, not just the activations: parameters,
+    gradients, optimizer state and inputs are included, which is what a memory budget is about.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(1024, 1024)
+        >>> x = torch.randn(32, 1024)
+        >>> step = lambda: model(x).sum().backward()
+        >>> parameter_bytes = 4 * (1024 * 1024 + 1024)
+        >>> measure_peak_bytes(step, model, x) >= 2 * parameter_bytes  # weights + gradients
+        True
+    """
+    device = torch.device(device) if device is not None else infer_device(*track)
+    with MemoryMeter(device, *track) as meter:
+        step_fn()
+    return meter.peak()
+
+
+class _NoHook:
+    """Stands in for a gradient hook MemTracker would have put on a frozen parameter."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _mem_tracker() -> Any:
+    return _mem_tracker_class()()
+
+
+@functools.cache
+def _mem_tracker_class() -> type:
+    # Imported here: torch.distributed is not built into every torch wheel (e.g. some macOS ones).
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _MemTracker(MemTracker):
+        """MemTracker that leaves frozen parameters without gradient hooks (see the module
+        docstring). It marks them as hooked already, which is all its loop checks."""
+
+        def _track_module_params_and_buffers(
+            self, module: nn.Module, install_grad_hooks: bool = True
+        ) -> tuple[int, int]:
+            for parameter in module.parameters():
+                if not parameter.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(parameter, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return _MemTracker
