@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import gradckpt
+from gradckpt.budget import parse_budget
 from gradckpt.cli import main
 from gradckpt.plan import Plan
 
@@ -205,6 +206,20 @@ def test_plan_folder_holding_a_config_in_process(tiny_llama_config, capsys):
     assert main(["plan", str(tiny_llama_config), "--batch", "1", "--seq", "8",
                  "--strategy", "every-layer", "--device", "cpu"]) == 0
     assert "recomputed: segment 2-2" in capsys.readouterr().out
+
+
+def test_plan_drop_output_plans_for_a_loop_without_the_logits(tiny_llama_config, capsys):
+    """--drop-output: the step planned for drops the output (logits) before backward, as the
+    Hugging Face Trainer does; its peak without checkpointing is lower by at least the logits."""
+
+    def plain_peak(*extra: str) -> str:
+        assert main(["plan", str(tiny_llama_config), "--batch", "2", "--seq", "16",
+                     "--strategy", "none", "--device", "cpu", *extra]) == 0
+        out = capsys.readouterr().out
+        return out.split("peak without checkpointing ")[1].split(",")[0]
+
+    held, dropped = plain_peak(), plain_peak("--drop-output")
+    assert parse_budget(dropped) < parse_budget(held)
 
 
 def test_plan_factory(tmp_path):

@@ -38,7 +38,9 @@ def step(model: nn.Module, sample: dict) -> tuple[int, torch.Tensor, list[torch.
 
     def run() -> None:
         torch.manual_seed(3)
-        result["loss"] = loss = loss_of(model(**sample))  # TinyGPT's loss, or HF's output.loss
+        # The step as users write it: the output (HF: with its logits) alive through backward.
+        output = model(**sample)
+        result["loss"] = loss = loss_of(output)  # TinyGPT's loss, or HF's output.loss
         loss.backward()
 
     peak = measure_peak_bytes(run, model, *sample.values())

@@ -225,6 +225,13 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         default="none",
         help="adam: count Adam's state (2 fp32 values per parameter) in the peak and budget",
     )
+    plan.add_argument(
+        "--drop-output",
+        action="store_true",
+        help="the training loop drops the model's output before backward, as the Hugging Face "
+        "Trainer does; by default it is held through backward (out = model(**batch); "
+        "out.loss.backward()), which for a language model keeps the logits alive",
+    )
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (Plan.from_json)")
     plan.add_argument("--plot", metavar="FILE", help="write the memory/time frontier as a PNG")
     plan.add_argument(
@@ -389,11 +396,11 @@ def _demo_plans(profile) -> list[_PlanRun]:
 def _measure_peaks(model, sample, runs: list[_PlanRun], device) -> None:
     import gradckpt
     from gradckpt.measure import measure_peak_bytes
-    from gradckpt.profile import loss_of, run_model
+    from gradckpt.measure.step import training_step
     from gradckpt.progress import with_progress
 
     def forward_backward() -> None:
-        loss_of(run_model(model, sample)).backward()
+        training_step(model, sample)  # as profile() measured it
 
     for run in with_progress(runs, "gradckpt: measuring the peak of each plan"):
         gradckpt.apply(model, run.plan)
@@ -1059,7 +1066,7 @@ def run_plan(args: argparse.Namespace) -> int:
     model = target.model.to(device).train()
     sample = _to_device(target.sample, device)
     stage("profiling one training step and each block")
-    profile = gradckpt.profile(model, sample)
+    profile = gradckpt.profile(model, sample, keep_output=not args.drop_output)
     optimizer_bytes = _optimizer_state_bytes(model, args.optimizer)
     plan = _solve_with_optimizer(profile, args.budget, args.strategy, optimizer_bytes)
 

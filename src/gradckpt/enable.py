@@ -29,6 +29,8 @@ def enable(
     strategy: str = "optimal",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: Any = None,
+    *,
+    keep_output: bool = True,
 ) -> Plan:
     """Checkpoint ``model`` so that a training step on batches like ``sample`` fits ``budget``.
 
@@ -36,6 +38,8 @@ def enable(
     (of the peak without checkpointing) or ``"auto"`` (what the device has free). When the
     model fits without checkpointing, the plan is empty and the model runs exactly as before.
     A budget no plan meets raises ``gradckpt.BudgetError`` stating the smallest one that works.
+    The step is the one users write, the model's output held until backward ends; pass
+    ``keep_output=False`` for loops that drop it first (the Hugging Face Trainer).
 
     Example:
         >>> import torch, gradckpt
@@ -47,7 +51,7 @@ def enable(
         True
         >>> gradckpt.disable(model)
     """
-    measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks)
+    measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output)
     budget_bytes = parse_budget(
         budget, unconstrained_peak_bytes=measured.peak_bytes, device=infer_device(model)
     )

@@ -40,6 +40,7 @@ from .caches import caches_off
 from .engine import _detached_like, _first_tensor, _storage_key, checkpoint
 from .errors import UsageError
 from .measure import MemoryMeter, infer_device
+from .measure.step import loss_of, run_model, training_step
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .plan import simulate
 from .policies import is_matmul_or_attention
@@ -52,60 +53,13 @@ from .step_timer import BlockForwardTimer
 __all__ = ["profile", "run_model", "loss_of"]
 
 
-def run_model(model: nn.Module, sample: Any) -> Any:
-    """Call the model on a sample the way DESIGN.md says: tensor, tuple (positional) or dict.
-
-    Example:
-        >>> run_model(torch.nn.Linear(2, 1), torch.ones(3, 2)).shape
-        torch.Size([3, 1])
-    """
-    if isinstance(sample, dict):
-        return model(**sample)
-    if isinstance(sample, (tuple, list)):
-        return model(*sample)
-    if isinstance(sample, torch.Tensor):
-        return model(sample)
-    raise UsageError(
-        f"sample must be a tensor (model(sample)), a tuple (model(*sample)) or a dict "
-        f"(model(**sample)); got {type(sample).__name__}"
-    )
-
-
-def loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
-    """The scalar to call backward on: ``loss_fn(output)``, else ``output.loss``, else the sum.
-
-    Example:
-        >>> loss_of(torch.ones(2, 3, requires_grad=True))
-        tensor(6., grad_fn=<SumBackward0>)
-    """
-    if loss_fn is not None:
-        loss = loss_fn(output)
-    elif isinstance(getattr(output, "loss", None), torch.Tensor):
-        loss = output.loss  # Hugging Face models given labels
-    elif isinstance(output, torch.Tensor):
-        loss = output.sum()
-    else:
-        raise UsageError(
-            f"cannot tell the loss of a {type(output).__name__} output: pass loss_fn= "
-            "(a function from the model's output to a scalar tensor), or give the model what "
-            "it needs to return .loss (e.g. labels for Hugging Face models)"
-        )
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise UsageError(f"the loss must be a scalar tensor, got {_describe(loss)}")
-    if not loss.requires_grad:
-        raise UsageError(
-            "the loss does not require grad: no parameter of the model is trainable, or the "
-            "model ran without grad"
-        )
-    return loss
-
-
 def profile(
     model: nn.Module,
     sample: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: Any = None,
     *,
+    keep_output: bool = True,
     repeats: int = 3,
     progress: bool = True,
 ) -> Profile:
@@ -118,6 +72,10 @@ def profile(
         blocks: the chain (default: ``gradckpt.find_blocks(model)``, put in the order the
             blocks run on ``sample``); see ``resolve_blocks``. Given explicitly, it must be in
             that order.
+        keep_output: the step holds the model's output until backward ends, as
+            ``out = model(**batch); out.loss.backward()`` does (for a language model the
+            logits stay alive). ``False`` for loops that drop it before backward, such as the
+            Hugging Face Trainer's; see ``gradckpt.measure.step``.
         repeats: measured repetitions for every time (the median is kept).
         progress: show a progress bar on stderr once profiling has taken two seconds.
 
@@ -165,7 +123,7 @@ def profile(
         def step() -> None:
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
             model.zero_grad(set_to_none=True)
-            loss_of(run_model(model, sample), loss_fn).backward()
+            training_step(model, sample, loss_fn, keep_output)
             bar.update()
 
         step()  # warm-up: lazy initialisations, allocator caches
@@ -200,18 +158,23 @@ def profile(
         measured, time_ratios, [_kind(module, call) for module, call in zip(modules, calls,
                                                                              strict=True)]
     )
-    measured = _with_side_inputs(
+    measured, output_held_bytes = _with_side_inputs(
         measured, recording, chain_breaks, model_storages, saved_side_inputs,
         {_storage_key(tensor) for tensor in _tensors(sample)},
+        recording.output_storages if keep_output else set(),
     )
     between = recording.gradients_made_after()
-    return _assemble(measured, memory, step_seconds, device, chain_breaks, sum(between[1:]))
+    return _assemble(
+        measured, memory, step_seconds, device, chain_breaks,
+        sum(between[1:]) + output_held_bytes,
+    )
 
 
 def _with_side_inputs(
     blocks: list[BlockProfile], recording: _Recording, chain_breaks: list[int],
     model_storages: set, saved_side_inputs: list[dict[int, int]], sample_storages: set,
-) -> list[BlockProfile]:
+    output_held: set,
+) -> tuple[list[BlockProfile], int]:
     """The blocks (in run order) with ``side_bytes``, ``held_side_bytes`` and
     ``side_gradient_bytes`` (see ``BlockProfile``).
 
@@ -222,7 +185,9 @@ def _with_side_inputs(
     the fixed bytes). ``side_gradient_bytes``: side inputs'
     gradients, and those of the modules between two parts of the chain, which appear once the
     later part's backward is done (after the first block's: the embedding's, outside the
-    chain's backward)."""
+    chain's backward); and saved side inputs that the step's output holds (``output_held``),
+    through the backward of the blocks before their first taker. Also returns the bytes of
+    those, which the measured head leftovers include and must not count twice."""
     order = recording.order
     calls = [recording.calls[index] for index in order]
     returned = [recording.returned.get(index, set()) for index in order]
@@ -236,17 +201,25 @@ def _with_side_inputs(
     ]
     not_held = counted | sample_storages | {key for before in saved_before for key in before}
     held_side_bytes = [0] * len(blocks)
+    side_gradient_bytes = [0] * len(blocks)
+    output_held_bytes = 0
     takers: dict[int, list[int]] = {}
     gradients: dict[int, int] = {}
     for index, call in enumerate(calls):
         for key, nbytes in call.side_storages(model_storages).items():
             if key in saved:
-                side_bytes[index] += saved.pop(key)
+                side_nbytes = saved.pop(key)
+                side_bytes[index] += side_nbytes
+                if key in output_held:
+                    # The step's output holds it (an encoder's last hidden state): it outlives
+                    # its first taker's backward, through the backward of the blocks before.
+                    output_held_bytes += side_nbytes
+                    for earlier in range(index):
+                        side_gradient_bytes[earlier] += side_nbytes
             elif key not in not_held and key not in takers:
                 held_side_bytes[index] += nbytes
             takers.setdefault(key, []).append(index)
         gradients.update(call.side_gradients(model_storages))
-    side_gradient_bytes = [0] * len(blocks)
     for key, nbytes in gradients.items():
         # Made by the last taker's backward, summed into by the others' down to the first's,
         # and into the block that returned the tensor, if one did (its backward uses it).
@@ -263,16 +236,17 @@ def _with_side_inputs(
         for block, side, held, gradient in zip(
             blocks, side_bytes, held_side_bytes, side_gradient_bytes, strict=True
         )
-    ]
+    ], output_held_bytes
 
 
 def _assemble(
     blocks: list[BlockProfile], memory: _StepMemory, step_seconds: float, device: torch.device,
-    chain_breaks: list[int], between_gradient_bytes: int = 0,
+    chain_breaks: list[int], counted_by_blocks_bytes: int = 0,
 ) -> Profile:
     """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them.
-    ``between_gradient_bytes``: gradients made inside the chain's backward outside its blocks
-    (counted in the blocks' ``side_gradient_bytes``, not in the head's)."""
+    ``counted_by_blocks_bytes``: what is alive when the chain's backward ends that the blocks'
+    ``side_gradient_bytes`` count already, not the head's: gradients made inside the chain's
+    backward outside its blocks, and side inputs the step's output holds."""
     fixed = memory.start
     retained = sum(block.saved_bytes + block.side_bytes for block in blocks)  # plain forward
     measured = Profile(
@@ -283,7 +257,7 @@ def _assemble(
         device=str(device),
         head_bytes=max(0, memory.highest["head"] - fixed - retained),
         head_gradient_bytes=_head_leftovers(
-            blocks, memory, fixed, retained, between_gradient_bytes
+            blocks, memory, fixed, retained, counted_by_blocks_bytes
         ),
         other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
         chain_breaks=chain_breaks,
@@ -297,10 +271,11 @@ def _assemble(
 
 def _head_leftovers(
     blocks: list[BlockProfile], memory: _StepMemory, fixed: int, retained: int,
-    between_gradient_bytes: int,
+    counted_by_blocks_bytes: int,
 ) -> int:
     """What stays allocated through the chain's backward besides the chain's own tensors: the
-    head's parameter gradients, and what the part before the chain saved (its dropout mask).
+    head's parameter gradients, what the part before the chain saved (its dropout mask), and
+    what the step's output holds (the logits, unless ``keep_output=False``).
 
     Read when the chain's backward ends, less the blocks' gradients and the input's gradient:
     at its start, scalars of the loss's backward still exist that die before any block runs.
@@ -308,7 +283,7 @@ def _head_leftovers(
     """
     if memory.chain_backward_end:
         made_by_chain = (sum(block.gradient_bytes for block in blocks) + blocks[0].input_bytes
-                         + between_gradient_bytes)
+                         + counted_by_blocks_bytes)
         return max(0, memory.chain_backward_end - fixed - made_by_chain)
     return max(0, memory.chain_backward_start - fixed - retained - blocks[-1].output_bytes)
 
@@ -385,6 +360,8 @@ class _Recording:
     # The storages of the other tensors each block returned (T5's first block returns the
     # position bias the others take).
     returned: dict[int, set] = field(default_factory=dict)
+    # The storages of the tensors in the model's output (logits, an encoder's last hidden state).
+    output_storages: set = field(default_factory=set)
 
     def gradients_made_after(self) -> list[int]:
         """Per position in ``order``, the bytes of ``gradients_after`` its block's backward."""
@@ -462,7 +439,13 @@ def _record_block_calls(
     ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved_between, lambda tensor: tensor):
-            loss = loss_of(run_model(model, sample), loss_fn)
+            output = run_model(model, sample)
+            loss = loss_of(output, loss_fn)
+        recording.output_storages = {
+            _storage_key(leaf) for leaf in tree_flatten(output)[0]
+            if isinstance(leaf, torch.Tensor)
+        }
+        del output
         loss.backward()
     finally:
         for hook in hooks:
@@ -881,8 +864,3 @@ def _tensors(sample: Any) -> list[torch.Tensor]:
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {list(value.shape)}"
-    return f"a {type(value).__name__}"
