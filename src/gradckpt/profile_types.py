@@ -79,7 +79,9 @@ class BlockProfile:
       returned it (T5's position bias, made by a stack's first block); and those of the modules
       between two
       parts of the chain (a decoder's position embedding), made once the later part's
-      backward is done.
+      backward is done. Besides gradients, a saved side input that the step's output holds
+      (an encoder's last hidden state in a Hugging Face ``Seq2SeqLMOutput``) counts here in the
+      blocks before its first taker: it outlives its takers' backward.
     - ``held_side_bytes``: side inputs no block saves, passed to this block first (T5's
       position bias, which its stacks' first block makes and every later one adds to its
       attention scores; attention masks). The plain model frees them after its forward; a
