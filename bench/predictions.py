@@ -64,19 +64,21 @@ def gpt2() -> nn.Module:
     return t.GPT2LMHeadModel(config)
 
 
+# Llama and Qwen2 share their architecture's sizes here.
+DECODER_SIZES = dict(
+    vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+)
+
+
 def llama() -> nn.Module:
     t = _transformers()
-    return t.LlamaForCausalLM(t.LlamaConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        attention_dropout=0.1))
+    return t.LlamaForCausalLM(t.LlamaConfig(**DECODER_SIZES, attention_dropout=0.1))
 
 
 def qwen2() -> nn.Module:
     t = _transformers()
-    return t.Qwen2ForCausalLM(t.Qwen2Config(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    return t.Qwen2ForCausalLM(t.Qwen2Config(**DECODER_SIZES))
 
 
 def causal_sample() -> dict:
