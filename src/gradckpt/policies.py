@@ -100,6 +100,10 @@ PRESETS: dict[str, Policy] = {
     "offload-matmuls": offload_matmuls,
 }
 
+PLANNED_POLICY = "save-matmuls"
+"""The operation-level policy plans choose from: ``profile`` measures each block under it, and
+the optimal solver weighs a segment under it against recomputing everything."""
+
 
 def resolve_policy(policy: PolicyLike) -> Policy | None:
     """Turn what a user passed as ``policy=`` into a callable (or ``None`` = recompute all).

@@ -43,11 +43,10 @@ from .measure import MemoryMeter, infer_device
 from .measure.step import loss_of, run_model, training_step
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .plan import simulate
-from .policies import is_matmul_or_attention
+from .policies import PLANNED_POLICY, is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
 from .progress import progress as show_progress
 from .segments import continues_chain
-from .solvers.optimal import POLICY
 from .step_timer import BlockForwardTimer
 
 __all__ = ["profile", "run_model", "loss_of"]
@@ -601,7 +600,7 @@ def _measure_block(
     # forward timed inside the step, where the step's own time was taken.
     forward_times, backward, checkpointed, policy = _interleaved_seconds(
         [forward_only, forward_and_backward, _checkpointed_step(block, call, None),
-         _checkpointed_step(block, call, POLICY)],
+         _checkpointed_step(block, call, PLANNED_POLICY)],
         repeats, device,
     )
     forward_seconds = (statistics.median(forward_times) if forward_in_step is None
@@ -614,7 +613,7 @@ def _measure_block(
         block, call, device, policy=None
     )
     policy_forward_peak, policy_backward_peak = _checkpointed_peaks(
-        block, call, device, policy=POLICY
+        block, call, device, policy=PLANNED_POLICY
     )
     return BlockProfile(
         name=name,

@@ -55,16 +55,13 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import Segment, gradients_after, side_inputs_held, simulate
+from ..policies import PLANNED_POLICY
 from ..profile_types import BlockProfile, Profile
 from .chen_greedy import solve_chen_greedy
 
 __all__ = [
     "solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "every_kth_block",
-    "POLICY",
 ]
-
-# The op-level preset the DP may put on a segment without children.
-POLICY = "save-matmuls"
 
 # Memory levels of the time tables: at most _MAX_LEVELS, and about _TABLE_CELLS cells per table
 # ((n + 1)^2 runs x levels) so long chains stay fast and small; never fewer than _MIN_LEVELS.
@@ -528,7 +525,7 @@ class _TimeTables:
                 max(chain.alive[column] + costs.policy_transient[k], costs.policy_peak[k])
             ):
                 seconds = costs.policy_seconds[k] + lookup(self.after, j + 1, column, policy_level)
-                options.append((seconds, 2, Segment(s, j, policy=POLICY), policy_level))
+                options.append((seconds, 2, Segment(s, j, policy=PLANNED_POLICY), policy_level))
         seconds, _, item, rest_level = min(options, key=lambda option: option[:2])
         assert not math.isinf(seconds), "the table said this run fits"
         if item is None:
@@ -610,7 +607,7 @@ class _LowestPeak:
             return self._run(s + 1, column, input_retained=False)
         j = choice[1]
         if choice[0] == "policy":
-            item = Segment(s, j, policy=POLICY)
+            item = Segment(s, j, policy=PLANNED_POLICY)
         else:
             item = Segment(s, j, self._run(s, j, input_retained=True))
         return [item, *self._run(j + 1, column, input_retained=False)]
