@@ -268,6 +268,16 @@ def test_bad_samples_and_losses_are_usage_errors(sample, loss_fn, message: str) 
         gradckpt.profile(model, sample, loss_fn=loss_fn, repeats=1)
 
 
+@pytest.mark.parametrize("entry", [gradckpt.profile, gradckpt.enable])
+def test_keep_output_that_is_not_a_bool_is_a_usage_error(entry) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    state = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(UsageError, match=r"keep_output must be True .* or False .*got 'no'"):
+        entry(model, torch.randn(2, 4), keep_output="no")
+    assert not gradckpt.is_checkpointed(model[0])  # the model is left as it was
+    assert all(torch.equal(p, state[name]) for name, p in model.state_dict().items())
+
+
 def test_an_output_without_a_loss_asks_for_loss_fn() -> None:
     class TwoOutputs(nn.Module):
         def __init__(self) -> None:

@@ -93,6 +93,12 @@ def profile(
         True
     """
     named_blocks = resolve_blocks(model, blocks)
+    if not isinstance(keep_output, bool):
+        raise UsageError(
+            f"keep_output must be True (the loop holds the model's output until backward ends, "
+            f"the default) or False (it drops it first, as the Hugging Face Trainer does); got "
+            f"{keep_output!r}"
+        )
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
     device = infer_device(model)
