@@ -12,7 +12,9 @@ and returns the chain's peak memory and the extra (recomputation) time.
 The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``BlockProfile``):
 
 - forward, block kept: it adds s_i to what is retained (its input included if its graph keeps
-  that); while it runs, memory peaks at retained + its input + ``forward_peak_bytes``;
+  that); while it runs, memory peaks at retained + its input + ``forward_peak_bytes``. When
+  the block before was kept and saved its output (``BlockProfile.output_saved``), that input
+  is retained already: it is not counted again, and a segment starting there keeps it free;
 - forward, segment s..e: it retains x_s only; its blocks run with nothing else retained,
   each peaking at ``segment_forward_peak_bytes()`` above its input (measured checkpointed, or
   the plain forward's peak);
@@ -282,6 +284,8 @@ class _Walk:
         self.blocks = profile.blocks
         self.gradients_after = gradients_after(profile)
         self.side = side_inputs_held(profile, checkpointing)
+        # Whether block i + 1's input is retained already when block i is kept before it.
+        self.passes_input = [profile.input_held(i + 1) for i in range(len(self.blocks))]
         self.extra_seconds = 0.0
 
     def forward(
@@ -322,7 +326,8 @@ class _Walk:
                     added -= block.matmul_bytes  # kept from the first forward already
                 retained += added
             added_per_item.append(added)
-            input_retained = False
+            # A kept block whose graph saves its output retains the next item's input.
+            input_retained = not isinstance(item, Segment) and self.passes_input[item]
         return retained, peak, added_per_item
 
     def backward(

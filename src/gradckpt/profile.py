@@ -42,10 +42,8 @@ from .errors import UsageError
 from .measure import MemoryMeter, infer_device
 from .measure.step import loss_of, run_model, training_step
 from .model_state import buffers_and_rng_preserved, gradients_preserved
-from .plan import simulate
 from .policies import PLANNED_POLICY, is_matmul_or_attention
 from .profile_types import BlockProfile, Profile
-from .progress import progress as show_progress
 from .segments import continues_chain
 from .step_timer import BlockForwardTimer
 
@@ -60,7 +58,7 @@ def profile(
     *,
     keep_output: bool = True,
     repeats: int = 3,
-    progress: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``sample`` and each block of its chain.
 
@@ -76,7 +74,9 @@ def profile(
             logits stay alive). ``False`` for loops that drop it before backward, such as the
             Hugging Face Trainer's; see ``gradckpt.measure.step``.
         repeats: measured repetitions for every time (the median is kept).
-        progress: show a progress bar on stderr once profiling has taken two seconds.
+        progress: called as ``progress(done, total)`` after each of the ``total`` steps of
+            profiling (the CLI draws a bar with it; ``gradckpt.cli.progress.progress_bar``
+            makes one). ``None``: nothing is reported.
 
     Hugging Face key/value caches are off while it measures (``gradckpt.caches``), as they
     are while a plan is applied.
@@ -101,6 +101,7 @@ def profile(
         )
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
+    report = _progress_callback(progress)
     device = infer_device(model)
     modules = [m for _, m in named_blocks]
     steps = 1 + repeats + 1 + len(modules)  # warm-up, timed steps, memory step, each block
@@ -108,8 +109,14 @@ def profile(
         gradients_preserved(model),
         buffers_and_rng_preserved(model),
         caches_off(model),
-        show_progress(steps, "gradckpt: profiling", enabled=progress) as bar,
     ):
+        done = 0
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            report(done, steps)
+
         recording = _record_block_calls(model, sample, loss_fn, modules)
         if recording.order != list(range(len(modules))):
             ran = [named_blocks[index][0] for index in recording.order]
@@ -129,7 +136,7 @@ def profile(
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
             model.zero_grad(set_to_none=True)
             training_step(model, sample, loss_fn, keep_output)
-            bar.update()
+            advance()
 
         step()  # warm-up: lazy initialisations, allocator caches
         with BlockForwardTimer(modules, device) as timer:
@@ -158,7 +165,7 @@ def profile(
             measured.append(block)
             saved_side_inputs.append(saved_sides)
             time_ratios.append(ratios)
-            bar.update()
+            advance()
     measured = _pooled_times(
         measured, time_ratios, [_kind(module, call) for module, call in zip(modules, calls,
                                                                              strict=True)]
@@ -173,6 +180,19 @@ def profile(
         measured, memory, step_seconds, device, chain_breaks,
         sum(between[1:]) + output_held_bytes,
     )
+
+
+def _progress_callback(progress: Any) -> Callable[[int, int], None]:
+    """``progress`` as a callable; ``None`` and ``False`` (the old "no bar") report nothing."""
+    if progress is None or progress is False:
+        return lambda done, total: None
+    if not callable(progress):
+        raise UsageError(
+            f"progress must be a callable taking (done, total), or None; got {progress!r}. "
+            "For a bar on stderr: with gradckpt.cli.progress.progress_bar('profiling') as bar: "
+            "gradckpt.profile(..., progress=bar)"
+        )
+    return progress
 
 
 def _with_side_inputs(
@@ -253,24 +273,22 @@ def _assemble(
     ``side_gradient_bytes`` count already, not the head's: gradients made inside the chain's
     backward outside its blocks, and side inputs the step's output holds."""
     fixed = memory.start
-    retained = sum(block.saved_bytes + block.side_bytes for block in blocks)  # plain forward
     measured = Profile(
         blocks,
         peak_bytes=memory.peak,
         fixed_bytes=fixed,
         step_seconds=step_seconds,
         device=str(device),
-        head_bytes=max(0, memory.highest["head"] - fixed - retained),
-        head_gradient_bytes=_head_leftovers(
-            blocks, memory, fixed, retained, counted_by_blocks_bytes
-        ),
         other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
         chain_breaks=chain_breaks,
     )
-    predicted = fixed + simulate(measured, [])[0]
+    retained = measured.plain_retained_bytes()
+    measured.head_bytes = max(0, memory.highest["head"] - fixed - retained)
+    measured.head_gradient_bytes = _head_leftovers(
+        blocks, memory, fixed, retained, counted_by_blocks_bytes
+    )
     measured.notes["chain_backward_start_bytes"] = memory.chain_backward_start
     measured.notes["measured_phase_peaks"] = dict(memory.highest)
-    measured.notes["plain_prediction_error"] = (predicted - memory.peak) / memory.peak
     return measured
 
 
@@ -589,6 +607,7 @@ def _measure_block(
         chain_output.backward(gradient)
         backward_peak = memory.peak() - start
     input_saved = _storage_key(hidden) in saved
+    output_saved = _storage_key(chain_output) in saved
     saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
     block.zero_grad(set_to_none=True)
 
@@ -627,6 +646,7 @@ def _measure_block(
         output_bytes=_nbytes(chain_output),
         saved_bytes=sum(saved.values()),
         input_saved=input_saved,
+        output_saved=output_saved,
         forward_seconds=forward_seconds,
         backward_seconds=ratios.median("backward") * forward_seconds,
         forward_peak_bytes=forward_peak,

@@ -89,6 +89,10 @@ class BlockProfile:
       So with any segment in the plan they count like ``side_bytes``; with none, not at all.
       An upper bound where this block is kept: then they live, in fact, until the backward
       of the first checkpointed block taking them, if any.
+    - ``output_saved``: its graph saves its output (a CNN block ending in ReLU saves what
+      it returns), which is among its ``saved_bytes``. That output is the next block's input,
+      the same tensor: kept after this block, the next block retains nothing more for its
+      input, and a segment starting there keeps it at no cost (``Profile.input_held``).
     """
 
     name: str
@@ -114,6 +118,7 @@ class BlockProfile:
     side_bytes: int = 0
     side_gradient_bytes: int = 0
     held_side_bytes: int = 0
+    output_saved: bool = False
 
     def recompute_seconds(self) -> float:
         """Extra seconds each time a segment recomputes this block: measured, or its forward.
@@ -211,6 +216,38 @@ class Profile:
         following = [index for index in self.chain_breaks if index > start]
         return (min(following) if following else len(self.blocks)) - 1
 
+    def input_held(self, index: int) -> bool:
+        """Whether block ``index``'s input is retained by the block before it when that one
+        is kept: its graph saves its output (``BlockProfile.output_saved``), and the chain
+        does not break between them.
+
+        Example:
+            >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0, output_saved=True)
+            ...           for i in range(3)]
+            >>> profile = Profile(blocks, 0, 0, 1.0, chain_breaks=[2])
+            >>> [profile.input_held(i) for i in range(3)]
+            [False, True, False]
+        """
+        return (0 < index < len(self.blocks) and index not in self.chain_breaks
+                and self.blocks[index - 1].output_saved)
+
+    def plain_retained_bytes(self) -> int:
+        """What the chain retains for backward after a forward without checkpointing: every
+        block's saved tensors and side inputs, each tensor once (a block's saved input that
+        the block before saved as its output counts there).
+
+        Example:
+            >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 1.0, output_saved=True)
+            ...           for i in range(3)]
+            >>> Profile(blocks, 0, 0, 1.0).plain_retained_bytes()  # 3 x 50, two inputs shared
+            130
+        """
+        return sum(
+            block.saved_bytes + block.side_bytes
+            - (block.input_bytes if block.input_saved and self.input_held(index) else 0)
+            for index, block in enumerate(self.blocks)
+        )
+
     def validate(self) -> None:
         """Raise ``UsageError`` naming the first block whose numbers cannot be right.
 
@@ -271,6 +308,9 @@ def _inconsistency(block: BlockProfile) -> str | None:
     if block.input_saved and block.saved_bytes < block.input_bytes:
         return (f"saved_bytes ({block.saved_bytes}) is below input_bytes ({block.input_bytes}) "
                 "though input_saved says the input is among them")
+    if block.output_saved and block.saved_bytes < block.output_bytes:
+        return (f"saved_bytes ({block.saved_bytes}) is below output_bytes "
+                f"({block.output_bytes}) though output_saved says the output is among them")
     if block.matmul_seconds > block.forward_seconds * (1 + 1e-9):
         return (f"matmul_seconds ({block.matmul_seconds}) exceeds forward_seconds "
                 f"({block.forward_seconds}), of which matmuls are a part")
