@@ -3,6 +3,8 @@ the Plan/Profile types' JSON round trips and errors."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gradckpt import UsageError
@@ -110,3 +112,31 @@ def test_str_is_a_per_block_table_with_the_predictions() -> None:
     assert lines[6] == (
         "strategy optimal within 4.00 KiB: predicted peak 2.93 KiB, predicted extra time +40.0%"
     )
+
+
+def test_a_saved_output_and_the_next_blocks_saved_input_count_once() -> None:
+    # A CNN block ending in ReLU saves its output, which the next block's convolution saves
+    # as its input: one tensor of 10 bytes, in both blocks' saved_bytes (10 + 40 and 10 + 40).
+    blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 1.0, output_saved=True)
+              for i in range(3)]
+    profile = Profile(blocks, 0, 0, 1.0)
+    assert profile.plain_retained_bytes() == 3 * 50 - 2 * 10
+    # plain: 130 retained, then block 2's backward adds its incoming gradient
+    assert simulate(profile, [])[0] == 130 + 10
+    # a segment starting after a kept block keeps its input at no cost (block 0 retains it),
+    # and inside its recomputation block 2's input is block 1's saved output: 20 bytes less
+    separate = Profile([replace(b, output_saved=False) for b in blocks], 0, 0, 1.0)
+    assert simulate(profile, [Segment(1, 2)])[0] == 50 + 40 + 40 + 10
+    assert simulate(separate, [Segment(1, 2)])[0] == 50 + 10 + 40 + 50 + 10
+    # after a chain break the next block's input is another tensor
+    broken = Profile(blocks, 0, 0, 1.0, chain_breaks=[2])
+    assert broken.plain_retained_bytes() == 3 * 50 - 10
+
+
+def test_a_chain_input_from_the_sample_is_counted_in_the_fixed_bytes_only() -> None:
+    blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 1.0) for i in range(2)]
+    outside = Profile(blocks, 0, 0, 1.0)
+    from_sample = Profile(blocks, 0, 0, 1.0, chain_input_fixed=True)
+    assert from_sample.plain_retained_bytes() == outside.plain_retained_bytes() - 10
+    assert simulate(from_sample, [])[0] == simulate(outside, [])[0] - 10
+    assert simulate(from_sample, [Segment(0, 1)])[0] == simulate(outside, [Segment(0, 1)])[0] - 10

@@ -45,6 +45,7 @@ def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
     input_saved = rng.random() < 0.7
     matmul_bytes = rng.randint(0, 25) if matmuls else 0
     forward_seconds = rng.randint(1, 8) * 0.25
+    measured = rng.random() < 0.5
     return BlockProfile(
         name=f"h.{index}",
         input_bytes=input_bytes,
@@ -59,8 +60,10 @@ def random_block(rng: random.Random, index: int, matmuls: bool) -> BlockProfile:
         # matmuls are part of the forward pass: never more than all of it
         matmul_seconds=forward_seconds * rng.randint(0, 4) / 4 if matmuls else 0.0,
         gradient_bytes=rng.randint(0, 15),
-        **(measured_policy(rng, matmul_bytes) if matmuls and rng.random() < 0.5 else {}),
-        **(measured_checkpointed(rng) if rng.random() < 0.5 else {}),
+        # profile measures a block checkpointed alone with and without the policy, or
+        # neither (a hand-made profile): never one without the other
+        **(measured_policy(rng, matmul_bytes) if matmuls and measured else {}),
+        **(measured_checkpointed(rng) if measured else {}),
         # an encoder output or rotary cos/sin this block is the first to take
         side_bytes=rng.randint(1, 25) if rng.random() < 0.4 else 0,
         # a mask or position bias no block saves, which segments keep for recomputation
@@ -97,7 +100,22 @@ def random_profile(seed: int, n: int, matmuls: bool = True) -> Profile:
                       other_peak_bytes=rng.randint(0, 40))
     if n > 1 and rng.random() < 0.4:  # an encoder/decoder-like chain: no segment across
         profile.chain_breaks = sorted(rng.sample(range(1, n), rng.randint(1, min(2, n - 1))))
+    for index in range(n - 1):
+        if rng.random() < 0.4:
+            saves_its_output(profile, index)
+    profile.chain_input_fixed = rng.random() < 0.3  # a CNN's first block takes the images
     return with_peak(profile)
+
+
+def saves_its_output(profile: Profile, index: int) -> None:
+    """Block ``index``'s graph saves its output (a CNN block ending in ReLU), which is the
+    next block's input: the same tensor, so of the same size."""
+    block, following = profile.blocks[index], profile.blocks[index + 1]
+    block.output_saved = True
+    block.saved_bytes += block.output_bytes
+    if following.input_saved:
+        following.saved_bytes += block.output_bytes - following.input_bytes
+    following.input_bytes = block.output_bytes
 
 
 def spans_no_chain_break(segments: list[Segment], profile: Profile) -> bool:

@@ -13,8 +13,9 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
 
 - forward, block kept: it adds s_i to what is retained (its input included if its graph keeps
   that); while it runs, memory peaks at retained + its input + ``forward_peak_bytes``. When
-  the block before was kept and saved its output (``BlockProfile.output_saved``), that input
-  is retained already: it is not counted again, and a segment starting there keeps it free;
+  the block before was kept and saved its output (``BlockProfile.output_saved``), or the input
+  is the sample's (``Profile.chain_input_fixed``), that input is retained already: it is not
+  counted again, and a segment starting there keeps it free;
 - forward, segment s..e: it retains x_s only; its blocks run with nothing else retained,
   each peaking at ``segment_forward_peak_bytes()`` above its input (measured checkpointed, or
   the plain forward's peak);
@@ -172,7 +173,7 @@ def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
     _check_chain_breaks(segments, profile)
     walk = _Walk(profile, checkpointing=bool(segments))
     items = _items(segments, 0, len(blocks) - 1)
-    retained, forward_peak, added = walk.forward(items, 0, False, 0, top=True)
+    retained, forward_peak, added = walk.forward(items, 0, profile.input_held(0), 0, top=True)
     head_peak = retained + profile.head_bytes
     backward_peak, _ = walk.backward(items, added, retained)
     peak = max(forward_peak, head_peak, backward_peak, profile.other_peak_bytes)

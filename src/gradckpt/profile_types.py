@@ -190,6 +190,9 @@ class Profile:
     - ``chain_breaks``: the blocks i whose hidden-state input is not block i - 1's output (an
       encoder's last layer and a decoder's first: something runs between them). No segment may
       span such a pair: its recomputation feeds each block the previous one's output.
+    - ``chain_input_fixed``: the first block's input is a tensor of the sample (a CNN's
+      images), counted in ``fixed_bytes``: the chain retains nothing more for it, whether the
+      first block saves it or a segment starting there keeps it (``input_held(0)``).
     """
 
     blocks: list[BlockProfile]
@@ -202,6 +205,7 @@ class Profile:
     head_gradient_bytes: int = 0
     other_peak_bytes: int = 0
     chain_breaks: list[int] = field(default_factory=list)
+    chain_input_fixed: bool = False
 
     def segment_end_limit(self, start: int) -> int:
         """The last block a segment starting at block ``start`` may reach: the one before the
@@ -217,9 +221,10 @@ class Profile:
         return (min(following) if following else len(self.blocks)) - 1
 
     def input_held(self, index: int) -> bool:
-        """Whether block ``index``'s input is retained by the block before it when that one
-        is kept: its graph saves its output (``BlockProfile.output_saved``), and the chain
-        does not break between them.
+        """Whether block ``index``'s input is retained already when it runs: by the block
+        before it, when that one is kept and its graph saves its output
+        (``BlockProfile.output_saved``) and the chain does not break between them; for the
+        first block, when its input is part of the sample (``chain_input_fixed``).
 
         Example:
             >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0, output_saved=True)
@@ -228,6 +233,8 @@ class Profile:
             >>> [profile.input_held(i) for i in range(3)]
             [False, True, False]
         """
+        if index == 0:
+            return self.chain_input_fixed
         return (0 < index < len(self.blocks) and index not in self.chain_breaks
                 and self.blocks[index - 1].output_saved)
 

@@ -70,6 +70,9 @@ _MIN_LEVELS = 100
 _TABLE_CELLS = 12_000_000
 
 _INF = math.inf
+# How a run's first input stands: not retained yet; retained by the kept block before it (its
+# saved output); retained as the input of the segment whose recomputation the run opens.
+_FRESH, _HELD, _OPENING = "fresh", "held", "opening"
 # float32: seconds need no more than 7 digits (simulate re-predicts the chosen plan in float64),
 # and half the bytes buy twice the levels: finer rounding for the same memory and time.
 _DTYPE = torch.float32
@@ -245,6 +248,10 @@ class _Chain:
             self.side_before.append(self.side_before[-1] + side)
         # The last block a segment starting at s may reach (chain breaks: encoder to decoder).
         self.limit = [profile.segment_end_limit(s) for s in range(self.n)]
+        # held[s]: block s's input is retained already when block s - 1 is kept before it
+        # (that block saves its output), or, for s = 0, always (a tensor of the sample);
+        # index n, the head, never.
+        self.held = [profile.input_held(s) for s in range(self.n)] + [False]
         self._segments: dict[int, _SegmentCosts] = {}
 
     def end(self, column: int) -> int:
@@ -290,9 +297,12 @@ class _Chain:
             seconds += block.recompute_seconds()
             matmul_bytes += block.matmul_bytes
             policy_seconds += block.policy_recompute_seconds()
-            # Recomputed under the policy, every block is kept, minus its already kept matmuls.
-            forward_high = max(forward_high, retained + hidden + block.forward_peak_bytes)
-            added, _ = self.kept(j, input_retained=j == s)
+            # Recomputed under the policy, every block is kept, minus its already kept matmuls
+            # (and its input, when the block before kept it as its saved output).
+            kept_input = j == s or self.held[j]
+            forward_high = max(forward_high, retained + (0 if kept_input else block.input_bytes)
+                               + block.forward_peak_bytes)
+            added, _ = self.kept(j, input_retained=kept_input)
             retained += added - block.matmul_bytes
             backward_high = max(backward_high, retained + block.output_bytes
                                 + block.backward_peak_bytes + self.gradients_after[j])
@@ -336,7 +346,9 @@ class _TimeTables:
     ``after[s, c, m]``: the run from block s to column c's end, its first block's input not yet
     retained (a top-level run, or the rest of a segment's recomputation); ``at_input[s, e, m]``:
     the run s..e opening the recomputation of a segment s..e, whose input is retained already
-    (so the run is not one segment over all of s..e).
+    (so the run is not one segment over all of s..e); ``held[s][c, m]``, for the blocks whose
+    input the block before retains when kept (``Profile.input_held``): the run from s after
+    that block, its input retained already.
     """
 
     def __init__(self, profile: Profile, unit_bytes: int, room_bytes: int) -> None:
@@ -357,8 +369,33 @@ class _TimeTables:
         # The empty top-level run: the head runs on what the chain retains.
         self.after[n, n, self.units(self.chain.head_bytes):] = 0.0
         self._after_rows = self.after.unbind(0)  # views, indexed once rather than per use
+        self.held: dict[int, torch.Tensor] = {}
         for s in range(n - 1, -1, -1):
             self._fill(s)
+
+    def _rest_after_keeping(self, s: int) -> torch.Tensor:
+        """By column, the run after block s is kept: its input retained already when block s
+        saves its output."""
+        return self.held[s + 1] if self.chain.held[s + 1] else self._after_rows[s + 1]
+
+    def _keep_first(self, s: int, input_retained: bool) -> torch.Tensor:
+        """Block s kept as the run's first item, the rest after it, for columns s..n."""
+        chain, n = self.chain, self.chain.n
+        rest = self._rest_after_keeping(s)
+        added, backward = chain.kept(s, input_retained)
+        forward = chain.kept_transient(s, input_retained, top=False)  # what adds to alive
+        keep = self._fit(
+            self._shift(rest[s:], added),
+            self._units_tensor(torch.clamp(self.alive[s:] + forward, min=backward)),
+        )
+        if chain.side[s]:  # the top-level column: block s holds its side inputs
+            added, backward = chain.kept(s, input_retained, top=True)
+            forward = chain.kept_transient(s, input_retained, top=True)
+            keep[-1:] = self._fit(
+                self._shift(rest[n:], added),
+                self._units_tensor(torch.tensor([max(chain.alive[n] + forward, backward)])),
+            )
+        return keep
 
     def units(self, nbytes: int) -> int:
         return -(-int(nbytes) // self.unit)  # rounded up: a plan that fits here fits in bytes
@@ -390,26 +427,9 @@ class _TimeTables:
 
     def _fill(self, s: int) -> None:
         chain, n, levels = self.chain, self.chain.n, self.levels
-        alive = self.alive[s:]  # columns s..n
-        added, backward = chain.kept(s, input_retained=False)
-        forward = chain.kept_transient(s, False, top=False)  # what adds to alive
-        keep_after = self._fit(
-            self._shift(self.after[s + 1, s:], added),
-            self._units_tensor(torch.clamp(alive + forward, min=backward)),
-        )
-        if chain.side[s]:  # the top-level column: block s holds its side inputs
-            added, backward = chain.kept(s, input_retained=False, top=True)
-            forward = chain.kept_transient(s, False, top=True)
-            keep_after[-1:] = self._fit(
-                self._shift(self.after[s + 1, n:], added),
-                self._units_tensor(torch.tensor([max(chain.alive[n] + forward, backward)])),
-            )
-        added, backward = chain.kept(s, input_retained=True)
-        forward = chain.kept_transient(s, True, top=False)
-        at_input = self._fit(
-            self._shift(self.after[s + 1, s:n], added),
-            self._units_tensor(torch.clamp(alive[:-1] + forward, min=backward)),
-        )
+        keep_after = self._keep_first(s, input_retained=False)
+        keep_retained = self._keep_first(s, input_retained=True)
+        at_input = keep_retained[:-1].clone()  # columns s..n-1: inside segments
         measured = chain.measured_recompute_peak(s)
         if measured is not None:  # row 0: segment s..s's recomputation, measured
             at_input[0] = 0.0
@@ -471,6 +491,12 @@ class _TimeTables:
         self.after[s, s:] = torch.minimum(
             keep_after, self._shift(segments_after, chain.blocks[s].input_bytes)
         )
+        if chain.held[s]:  # after block s - 1 kept: its input, and a segment's, comes free
+            held = torch.full((n + 1, levels), _INF, dtype=_DTYPE)
+            if s > 0:
+                held[s - 1] = 0.0  # the empty run after a segment's last block
+            held[s:] = torch.minimum(keep_retained, segments_after)
+            self.held[s] = held
 
     def may_miss_lowest_peak_plan(self) -> bool:
         """Whether rounding may hide a plan of the lowest peak that fits and is faster.
@@ -481,25 +507,32 @@ class _TimeTables:
         """
         if self.unit == 1:
             return False  # nothing rounded: the table is exact
-        finite = torch.isfinite(self.after[0, self.chain.n]).nonzero()
+        finite = torch.isfinite(self._top()).nonzero()
         if len(finite) == 0:
             return True
         return self.levels - 1 < finite[0].item() + 2 * self.chain.n + 1
 
     def best_plan(self) -> list[Segment] | None:
         """The fastest top-level plan at the highest level, or None when nothing fits."""
-        if self.chain.n == 0 or math.isinf(self.after[0, self.chain.n, -1].item()):
+        if self.chain.n == 0 or math.isinf(self._top()[-1].item()):
             return None
-        return self._run(0, self.chain.n, self.levels - 1, input_retained=False)
+        return self._run(0, self.chain.n, self.levels - 1, _HELD if self.chain.held[0] else _FRESH)
 
-    def _run(self, s: int, column: int, level: int, input_retained: bool) -> list[Segment]:
-        """Rebuild the plan a table entry stands for, choosing the best option again."""
+    def _top(self) -> torch.Tensor:
+        """The whole chain's least extra time at each level."""
+        n = self.chain.n
+        return self.held[0][n] if self.chain.held[0] else self.after[0, n]
+
+    def _run(self, s: int, column: int, level: int, start: str) -> list[Segment]:
+        """Rebuild the plan a table entry stands for, choosing the best option again.
+        ``start``: how the run's first input stands (``_FRESH``, ``_HELD``, ``_OPENING``)."""
         chain = self.chain
         end = chain.end(column)
         if s > end:
             return []
-        if input_retained and s == end and chain.measured_recompute_peak(s) is not None:
+        if start == _OPENING and s == end and chain.measured_recompute_peak(s) is not None:
             return []  # a one-block segment's recomputation, measured: nothing to choose
+        input_retained = start != _FRESH
         options: list[tuple[float, int, Segment | None, int]] = []  # time, order, item, level
 
         def lookup(table: torch.Tensor, first: int, col: int, at: int) -> float:
@@ -507,10 +540,11 @@ class _TimeTables:
 
         added, backward = chain.kept(s, input_retained, top=column == chain.n)
         if level >= self.units(max(chain.kept_forward_peak(s, input_retained, column), backward)):
-            options.append((lookup(self.after, s + 1, column, level - self.units(added)), 0,
-                            None, level - self.units(added)))
+            at = level - self.units(added)
+            rest = self._rest_after_keeping(s)[column, at].item() if 0 <= at < self.levels else _INF
+            options.append((rest, 0, None, at))
         costs = chain.segments(s)
-        last = min(end - 1 if input_retained else end, chain.limit[s])
+        last = min(end - 1 if start == _OPENING else end, chain.limit[s])
         for j in range(s, last + 1):
             k = j - s
             inner = level - (0 if input_retained else self.units(chain.blocks[s].input_bytes))
@@ -529,10 +563,10 @@ class _TimeTables:
         seconds, _, item, rest_level = min(options, key=lambda option: option[:2])
         assert not math.isinf(seconds), "the table said this run fits"
         if item is None:
-            return self._run(s + 1, column, rest_level, input_retained=False)
+            return self._run(s + 1, column, rest_level, _HELD if chain.held[s + 1] else _FRESH)
         if item.policy is None:
-            item.children = self._run(s, item.end, rest_level, input_retained=True)
-        return [item, *self._run(item.end + 1, column, rest_level, input_retained=False)]
+            item.children = self._run(s, item.end, rest_level, _OPENING)
+        return [item, *self._run(item.end + 1, column, rest_level, _FRESH)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,24 +584,30 @@ class _LowestPeak:
         self.after: list[list[tuple[int, object]]] = [[(0, None)] * (n + 1) for _ in range(n + 1)]
         self.after[n][n] = (chain.head_bytes, None)  # the head runs on what the chain retains
         self.at_input: list[list[tuple[int, object]]] = [[(0, None)] * n for _ in range(n)]
+        self.held: dict[int, list[tuple[int, object]]] = {}  # as _TimeTables.held
         for s in range(n - 1, -1, -1):
             self._fill(s)
+
+    def _keep_first(self, s: int, input_retained: bool, columns: range) -> list:
+        """Block s kept as the run's first item, the rest after it, for ``columns``."""
+        chain = self.chain
+        rest = self.held[s + 1] if chain.held[s + 1] else self.after[s + 1]
+        best = []
+        for c in columns:
+            added, backward = chain.kept(s, input_retained, top=c == chain.n)
+            peak = max(chain.kept_forward_peak(s, input_retained, c), backward,
+                       added + rest[c][0])
+            best.append((peak, ("keep",)))
+        return best
 
     def _fill(self, s: int) -> None:
         chain, n, alive = self.chain, self.chain.n, self.chain.alive
         after, at_input = self.after, self.at_input
         costs = chain.segments(s)
         input_bytes = chain.blocks[s].input_bytes
-        best_after = []
-        for c in range(s, n + 1):
-            added, backward = chain.kept(s, False, top=c == n)
-            peak = max(chain.kept_forward_peak(s, False, c), backward, added + after[s + 1][c][0])
-            best_after.append((peak, ("keep",)))
-        best_inside = []
-        for e in range(s, n):
-            added, backward = chain.kept(s, True)
-            peak = max(chain.kept_forward_peak(s, True, e), backward, added + after[s + 1][e][0])
-            best_inside.append((peak, ("keep",)))
+        best_after = self._keep_first(s, False, range(s, n + 1))
+        best_inside = self._keep_first(s, True, range(s, n))
+        best_held = self._keep_first(s, True, range(s, n + 1)) if chain.held[s] else None
         measured = chain.measured_recompute_peak(s)
         if measured is not None:  # segment s..s's recomputation, as simulate counts it
             best_inside[0] = (measured, ("keep",))
@@ -585,29 +625,34 @@ class _LowestPeak:
                     )
                     if policy < plain:
                         option = (policy, ("policy", j))
-                held = input_bytes + (chain.segment_side_bytes(s, j) if c == n else 0)
-                if held + option[0] < best_after[c - s][0]:
-                    best_after[c - s] = (held + option[0], option[1])
+                side = chain.segment_side_bytes(s, j) if c == n else 0
+                if input_bytes + side + option[0] < best_after[c - s][0]:
+                    best_after[c - s] = (input_bytes + side + option[0], option[1])
+                if best_held is not None and side + option[0] < best_held[c - s][0]:
+                    best_held[c - s] = (side + option[0], option[1])
                 if j < c < n and option[0] < best_inside[c - s][0]:
                     best_inside[c - s] = option
         for c in range(s, n + 1):
             after[s][c] = best_after[c - s]
+        if best_held is not None:
+            self.held[s] = [(0, None)] * s + best_held
 
     def plan(self) -> list[Segment]:
         if self.chain.n == 0:
             return []
-        return self._run(0, self.chain.n, input_retained=False)
+        return self._run(0, self.chain.n, _HELD if self.chain.held[0] else _FRESH)
 
-    def _run(self, s: int, column: int, input_retained: bool) -> list[Segment]:
+    def _run(self, s: int, column: int, start: str) -> list[Segment]:
         if s > self.chain.end(column):
             return []
-        table = self.at_input if input_retained else self.after
+        table = (self.after if start == _FRESH else self.at_input if start == _OPENING
+                 else self.held)
         choice = table[s][column][1]
         if choice[0] == "keep":
-            return self._run(s + 1, column, input_retained=False)
+            return self._run(s + 1, column, _HELD if self.chain.held[s + 1] else _FRESH)
         j = choice[1]
         if choice[0] == "policy":
             item = Segment(s, j, policy=PLANNED_POLICY)
         else:
-            item = Segment(s, j, self._run(s, j, input_retained=True))
-        return [item, *self._run(j + 1, column, input_retained=False)]
+            item = Segment(s, j, self._run(s, j, _OPENING))
+        return [item, *self._run(j + 1, column, _FRESH)]
