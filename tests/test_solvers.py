@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from gradckpt.budget import format_bytes
 from gradckpt.plan import Segment, simulate
 from gradckpt.profile_types import BlockProfile, Profile
 from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES, solve
+from gradckpt.solvers import optimal as optimal_solver
 from gradckpt.solvers.chen_greedy import candidate_plans
 from gradckpt.solvers.chen_greedy import minimum_peak_bytes as greedy_minimum_peak_bytes
 from gradckpt.solvers.optimal import memory_unit_bytes, minimum_peak_bytes, solve_optimal
@@ -531,3 +533,32 @@ def test_rounded_memory_is_as_fast_as_the_exact_optimum_with_a_little_less_room(
         if smaller >= low:
             exact_smaller = solve_optimal(profile, smaller)
             assert simulate(profile, coarse)[1] <= simulate(profile, exact_smaller)[1] + 1e-9
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_optimal_fills_its_tables_the_same_a_few_columns_at_a_time(seed, monkeypatch) -> None:
+    # The tables are filled in column chunks small enough that every tensor operation stays on
+    # the calling thread; the chunk width must not change the answer (brute force above covers
+    # one chunk: its tables are small).
+    profile = random_profile(seed, 14)
+    for index in range(0, 13, 3):
+        saves_its_output(profile, index)
+    profile = with_peak(profile)
+    budgets = budgets_for(profile)
+    wide = [solve(profile, budget, "optimal") for budget in budgets[1:]]
+    monkeypatch.setattr(optimal_solver, "_GRAIN", 1)  # one column per chunk
+    narrow = [solve(profile, budget, "optimal") for budget in budgets[1:]]
+    assert [plan.segments for plan in narrow] == [plan.segments for plan in wide]
+
+
+def test_solving_leaves_torchs_thread_count_alone(monkeypatch) -> None:
+    def refuse(count: int) -> None:
+        raise AssertionError("a solver changed torch's thread count, which is process-wide")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    profile = random_profile(3, 30)
+    for strategy in STRATEGIES:
+        try:
+            solve(profile, (minimum_peak_bytes(profile) + profile.peak_bytes) // 2, strategy)
+        except BudgetError:
+            pass

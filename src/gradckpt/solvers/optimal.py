@@ -47,9 +47,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +68,12 @@ _MIN_LEVELS = 100
 _TABLE_CELLS = 12_000_000
 
 _INF = math.inf
+# At most this many numbers per tensor operation of the tables: ATen runs an operation on
+# fewer than its grain size (32,768) on the calling thread. Larger ones fan out to every
+# intra-op thread, and on a busy 2-core machine each such operation waits for a descheduled
+# thread (7.6 ms; 50 blocks took 19 s). Changing torch's thread count instead would change
+# it for the whole process.
+_GRAIN = 32768
 # How a run's first input stands: not retained yet; retained by the kept block before it (its
 # saved output); retained as the input of the segment whose recomputation the run opens.
 _FRESH, _HELD, _OPENING = "fresh", "held", "opening"
@@ -125,8 +129,7 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
     candidates = []
     tables = None
     if room_bytes >= 0:
-        with _one_thread():
-            tables = _TimeTables(profile, memory_unit_bytes(profile, room_bytes), room_bytes)
+        tables = _TimeTables(profile, memory_unit_bytes(profile, room_bytes), room_bytes)
         candidates.append(tables.best_plan())
         if tables.unit > 1:
             # Rounding can hide a plan that fits by a few units: Chen's greedy candidates
@@ -162,19 +165,6 @@ def every_kth_block(profile: Profile) -> list[list[Segment]]:
     """
     n = len(profile.blocks)
     return [[Segment(i, i) for i in range(0, n, k)] for k in range(1, n + 1)]
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """The tables' operations on one thread. Each handles ~10^5 numbers, ~20 us on one core;
-    with two threads on a 2-core machine that is busy (a training job, a benchmark) every
-    parallel region waits for a descheduled thread: 7.6 ms each, and 50 blocks took 19 s."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def minimum_peak_bytes(profile: Profile) -> int:
@@ -378,17 +368,17 @@ class _TimeTables:
         saves its output."""
         return self.held[s + 1] if self.chain.held[s + 1] else self._after_rows[s + 1]
 
-    def _keep_first(self, s: int, input_retained: bool) -> torch.Tensor:
-        """Block s kept as the run's first item, the rest after it, for columns s..n."""
+    def _keep_first(self, s: int, input_retained: bool, columns: slice) -> torch.Tensor:
+        """Block s kept as the run's first item, the rest after it, for ``columns``."""
         chain, n = self.chain, self.chain.n
         rest = self._rest_after_keeping(s)
         added, backward = chain.kept(s, input_retained)
         forward = chain.kept_transient(s, input_retained, top=False)  # what adds to alive
         keep = self._fit(
-            self._shift(rest[s:], added),
-            self._units_tensor(torch.clamp(self.alive[s:] + forward, min=backward)),
+            self._shift(rest[columns], added),
+            self._units_tensor(torch.clamp(self.alive[columns] + forward, min=backward)),
         )
-        if chain.side[s]:  # the top-level column: block s holds its side inputs
+        if chain.side[s] and columns.stop == n + 1:  # the top level: it holds side inputs
             added, backward = chain.kept(s, input_retained, top=True)
             forward = chain.kept_transient(s, input_retained, top=True)
             keep[-1:] = self._fit(
@@ -418,85 +408,97 @@ class _TimeTables:
     def _cut_rows(self, peak_units: torch.Tensor) -> torch.Tensor:
         return self.levels - peak_units.clamp(0, self.levels)
 
-    def _fit_empty_rests(self, options: torch.Tensor, j: int, transient: int) -> None:
-        """Rows whose rest is empty (column j; column n too when j is the last block): the
-        segment's own forward peak, alive gradient included, is their only limit."""
-        n = self.chain.n
-        for row, column in enumerate([j, n] if j == n - 1 else [j]):
-            options[row, : self.units(self.chain.alive[column] + transient)] = _INF
-
     def _fill(self, s: int) -> None:
+        """The runs starting at block s, a few columns at a time: each column only reads the
+        same column of later runs, and at most ``_GRAIN`` numbers per tensor operation keep
+        every operation on this thread (see ``_GRAIN``)."""
+        n = self.chain.n
+        if self.chain.held[s]:
+            self.held[s] = torch.full((n + 1, self.levels), _INF, dtype=_DTYPE)
+            if s > 0:
+                self.held[s][s - 1] = 0.0  # the empty run after a segment's last block
+        width = max(1, _GRAIN // self.levels)
+        for first in range(s, n + 1, width):
+            self._fill_columns(s, slice(first, min(n + 1, first + width)))
+
+    def _fill_columns(self, s: int, columns: slice) -> None:
         chain, n, levels = self.chain, self.chain.n, self.levels
-        keep_after = self._keep_first(s, input_retained=False)
-        keep_retained = self._keep_first(s, input_retained=True)
-        at_input = keep_retained[:-1].clone()  # columns s..n-1: inside segments
+        c0, c1 = columns.start, columns.stop
+        keep_after = self._keep_first(s, False, columns)
+        keep_retained = self._keep_first(s, True, columns)
+        # Runs opening a segment's recomputation (columns below n: inside segments), final
+        # once every segment s..j with j < e is in; written into the table as they complete,
+        # since a later chunk reads them.
+        at_input = self.at_input[s]
+        inside = slice(c0, min(c1, n))
+        at_input[inside] = keep_retained[: inside.stop - c0]
         measured = chain.measured_recompute_peak(s)
-        if measured is not None:  # row 0: segment s..s's recomputation, measured
-            at_input[0] = 0.0
-            at_input[0, : min(self.units(measured), levels)] = _INF
+        if measured is not None and c0 == s:  # segment s..s's recomputation, measured
+            at_input[s] = 0.0
+            at_input[s, : min(self.units(measured), levels)] = _INF
         # Segments s..j, on levels above the segment's retained input (shifted in at the end).
-        segments_after = torch.full((n + 1 - s, levels), _INF, dtype=_DTYPE)
+        segments_after = torch.full((c1 - c0, levels), _INF, dtype=_DTYPE)
         costs = chain.segments(s)
-        # Row k: segment s..(s + k); column c - s: the run ends at column c (c >= s + k).
-        plain_cuts = self._cut_rows(self._units_tensor(
-            torch.tensor(costs.transient)[:, None] + self.alive[None, s:]
-        ))
-        if chain.policies:
-            # The recomputation's own peak under the policy does not depend on the column.
-            policy_seconds = self._fit(
-                torch.tensor(costs.policy_seconds, dtype=_DTYPE)[:, None].repeat(1, levels),
-                self._units_tensor(torch.tensor(costs.policy_peak)),
-            )
-            policy_shifts = [self.units(nbytes) for nbytes in costs.matmul_bytes]
-            policy_cuts = self._cut_rows(self._units_tensor(
-                torch.tensor(costs.policy_transient)[:, None] + self.alive[None, s:]
-            ))
-        at_input_rows = at_input.unbind(0)
-        for j in range(s, chain.limit[s] + 1):
+        for j in range(s, min(chain.limit[s], c1 - 1) + 1):
             k = j - s
-            rest = self._after_rows[j + 1][j:]  # columns j..n; column j is the empty rest
-            # The segment's first forward peaks at alive + transient. No need to cut there
-            # where something already does: the recomputation's run (at_input) peaks at least
-            # there with its own gradient alive, a non-empty rest above its first block's own.
-            rest_floor = (
-                chain.blocks[j + 1].input_bytes + chain.lowest_forward_peak(j + 1)
-                if j + 1 < n else _INF
-            )
-            needs_cut = costs.transient[k] > rest_floor
-            # at_input[k] is final: every segment s..j' with j' < j has been added to it.
-            options = rest + (at_input_rows[k] + costs.forward_seconds[k])
-            if needs_cut:
-                options[1:].add_(self._cuts.index_select(0, plain_cuts[k, k + 1:]))
-            # The empty rest: a measured recomputation need not peak above the first forward.
-            self._fit_empty_rests(options, j, costs.transient[k])
-            if chain.policies and k == 0 and policy_shifts[k] < levels:
-                under_policy = rest + policy_seconds[k]
-                # Top-level runs only (the last row: column n). Inside another segment the
-                # engine keeps a policy's outputs from that segment's first forward on, which
-                # no prediction counts.
-                under_policy[:-1] = _INF
-                self._fit_empty_rests(under_policy, j, costs.policy_transient[k])
-                if costs.policy_transient[k] > rest_floor:
-                    under_policy[1:].add_(self._cuts.index_select(0, policy_cuts[k, k + 1:]))
-                shift = policy_shifts[k]
-                torch.minimum(options[:, shift:], under_policy[:, : levels - shift],
-                              out=options[:, shift:])
+            low = max(j, c0)  # the columns segment s..j can end a run at, in this chunk
+            rest = self._after_rows[j + 1][low:c1]  # column j: the empty rest
+            options = rest + (at_input[j] + costs.forward_seconds[k])
+            self._cut_first_forward(options, s, j, low, costs.transient[k])
+            if chain.policies and k == 0 and c1 == n + 1:
+                # Top-level runs only (column n). Inside another segment the engine keeps a
+                # policy's outputs from that segment's first forward on, which no prediction
+                # counts.
+                self._offer_policy(options[-1], s, j)
             # Inside a segment s..e, a child s..j must be shorter: only e > j.
-            torch.minimum(at_input[k + 1:], options[1 : n - j], out=at_input[k + 1:])
+            later = slice(max(j + 1, c0), min(c1, n))
+            if later.start < later.stop:
+                torch.minimum(at_input[later], options[later.start - low: later.stop - low],
+                              out=at_input[later])
             side = chain.segment_side_bytes(s, j)
-            if side:  # the top-level column: the segment holds its blocks' side inputs
+            if side and c1 == n + 1:  # the top-level column: the segment holds side inputs
                 options[-1:] = self._shift(options[-1:], side)
-            torch.minimum(segments_after[k:], options, out=segments_after[k:])
-        self.at_input[s, s:] = at_input
-        self.after[s, s:] = torch.minimum(
+            torch.minimum(segments_after[low - c0:], options, out=segments_after[low - c0:])
+        self.after[s, columns] = torch.minimum(
             keep_after, self._shift(segments_after, chain.blocks[s].input_bytes)
         )
         if chain.held[s]:  # after block s - 1 kept: its input, and a segment's, comes free
-            held = torch.full((n + 1, levels), _INF, dtype=_DTYPE)
-            if s > 0:
-                held[s - 1] = 0.0  # the empty run after a segment's last block
-            held[s:] = torch.minimum(keep_retained, segments_after)
-            self.held[s] = held
+            self.held[s][columns] = torch.minimum(keep_retained, segments_after)
+
+    def _cut_first_forward(
+        self, options: torch.Tensor, s: int, j: int, low: int, transient: int
+    ) -> None:
+        """Infinity where segment s..j's first forward (alive + ``transient``) does not fit,
+        in ``options``: columns ``low``.. of runs that open with that segment."""
+        chain, n = self.chain, self.chain.n
+        # The empty rest (column j; column n too when j is the last block): the segment's own
+        # forward peak is their only limit (a measured recomputation need not peak above it).
+        for column in [j, n] if j == n - 1 else [j]:
+            if low <= column < low + len(options):
+                options[column - low, : self.units(chain.alive[column] + transient)] = _INF
+        # Non-empty rests need no cut where something already does: the recomputation's run
+        # peaks at least there with its own gradient alive, a non-empty rest above its first
+        # block's own.
+        rest_floor = (chain.blocks[j + 1].input_bytes + chain.lowest_forward_peak(j + 1)
+                      if j + 1 < n else _INF)
+        first = max(j + 1, low)  # non-empty rests
+        if transient > rest_floor and first < low + len(options):
+            peaks = self._units_tensor(self.alive[first: low + len(options)] + transient)
+            options[first - low:].add_(self._cuts.index_select(0, self._cut_rows(peaks)))
+
+    def _offer_policy(self, top: torch.Tensor, s: int, j: int) -> None:
+        """The top-level run's options (``top``, one row) with block s alone under the policy
+        too, where faster: its recomputation's own peak, its first forward's, and the levels
+        the outputs it keeps take."""
+        chain, n, levels = self.chain, self.chain.n, self.levels
+        costs = chain.segments(s)
+        shift = self.units(costs.matmul_bytes[0])
+        if shift >= levels:
+            return
+        under_policy = self._after_rows[j + 1][n] + costs.policy_seconds[0]
+        peak = max(costs.policy_peak[0], chain.alive[n] + costs.policy_transient[0])
+        under_policy[: self.units(peak)] = _INF
+        torch.minimum(top[shift:], under_policy[: levels - shift], out=top[shift:])
 
     def may_miss_lowest_peak_plan(self) -> bool:
         """Whether rounding may hide a plan of the lowest peak that fits and is faster.
