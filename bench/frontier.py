@@ -61,7 +61,7 @@ How to read the output:
   within it cannot be told from nothing here.
 - ``predictions``: for each contender, the cost model's peak and extra time (gradckpt's plans:
   ``predicted_peak_bytes``, ``predicted_overhead``; the anchors' layouts: the same model,
-  ``gradckpt.plan.simulate``, for comparison) against the measured ones, extra time as a
+  ``gradckpt.cost.simulate``, for comparison) against the measured ones, extra time as a
   fraction of the plain step (the profile times each block's forward inside its own plain
   steps, so a plan's seconds and the step it divides them by come from the same moments; with
   blocks timed on their own, the profile's ratios were off by the machine's drift, 3-28% here).
@@ -102,9 +102,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import gradckpt
+from gradckpt.cost import simulate
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
-from gradckpt.plan import Plan, Segment, simulate
+from gradckpt.plan import Plan, Segment
 from gradckpt.policies import is_matmul_or_attention
 
 PEAK_ERROR_TARGET = 0.05  # |predicted - measured| / measured peak

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import format_table  # noqa: E402
 
-from gradckpt.plan import simulate  # noqa: E402
+from gradckpt.cost import simulate  # noqa: E402
 from gradckpt.profile_types import BlockProfile, Profile  # noqa: E402
 from gradckpt.solvers import BUDGET_DRIVEN, solve  # noqa: E402
 from gradckpt.solvers import optimal as optimal_solver  # noqa: E402

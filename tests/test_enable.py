@@ -10,9 +10,10 @@ from torch import nn
 
 import gradckpt
 from gradckpt import BudgetError
+from gradckpt.cost import simulate
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
-from gradckpt.plan import Segment, simulate
+from gradckpt.plan import Segment
 from gradckpt.profile import loss_of
 from gradckpt.solvers.optimal import minimum_peak_bytes
 

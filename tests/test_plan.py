@@ -1,4 +1,4 @@
-"""The cost model (``gradckpt.plan.simulate``) on chains small enough to work out by hand, and
+"""The cost model (``gradckpt.cost.simulate``) on chains small enough to work out by hand, and
 the Plan/Profile types' JSON round trips and errors."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from gradckpt import UsageError
-from gradckpt.plan import Plan, Segment, plan_for, simulate
+from gradckpt.cost import plan_for, simulate
+from gradckpt.plan import Plan, Segment
 from gradckpt.profile_types import BlockProfile, Profile
 
 

@@ -12,9 +12,10 @@ from torch import nn
 
 import gradckpt
 from gradckpt import UsageError
+from gradckpt.cost import plan_for, simulate
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT, small_cnn
-from gradckpt.plan import Segment, plan_for, simulate
+from gradckpt.plan import Segment
 from gradckpt.profile import _pooled_times, _TimeRatios
 from gradckpt.profile_types import BlockProfile
 from gradckpt.segments import checkpoint_segments

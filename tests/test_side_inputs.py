@@ -12,8 +12,9 @@ from hf_models import seq2seq_sample, tiny_bart, tiny_llama, tiny_t5
 from torch import nn
 
 import gradckpt
+from gradckpt.cost import plan_for, simulate
 from gradckpt.measure import measure_peak_bytes
-from gradckpt.plan import Segment, plan_for, simulate
+from gradckpt.plan import Segment
 from gradckpt.profile_types import BlockProfile, Profile
 
 # MemTracker warns when a module it tracked was collected before its backward hook ran (the

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from gradckpt import BudgetError, UsageError
 from gradckpt.budget import format_bytes
-from gradckpt.plan import Segment, simulate
+from gradckpt.cost import simulate
+from gradckpt.plan import Segment
 from gradckpt.profile_types import BlockProfile, Profile
 from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES, solve
 from gradckpt.solvers import optimal as optimal_solver

@@ -554,7 +554,7 @@ def homogeneous_chain(block, depth: int):
         >>> len(chain.blocks), chain.blocks[99].name, chain.step_seconds
         (100, '99', 300.0)
     """
-    from gradckpt.plan import simulate
+    from gradckpt.cost import simulate
     from gradckpt.profile_types import Profile
 
     blocks = [dataclasses.replace(block, name=str(index)) for index in range(depth)]
@@ -605,9 +605,9 @@ def _measured_memory(block, depth: int, plans: dict[str, Any], size: DemoSize, s
     import torch
 
     import gradckpt
+    from gradckpt.cost import simulate
     from gradckpt.measure import measure_peak_bytes
     from gradckpt.models import mlp_chain
-    from gradckpt.plan import simulate
 
     torch.manual_seed(seed)
     chain = mlp_chain(depth, size.chain_width)
@@ -628,7 +628,7 @@ def _measured_memory(block, depth: int, plans: dict[str, Any], size: DemoSize, s
 
 def _sqrt_rows(size: DemoSize, seed: int) -> tuple[Any, list[_DepthRow]]:
     """Part 2: per chain length, each strategy's memory and extra forwards."""
-    from gradckpt.plan import simulate
+    from gradckpt.cost import simulate
     from gradckpt.progress import stage, with_progress
 
     stage("profiling one MLP block")

@@ -5,65 +5,29 @@ kept as usual. A segment's ``children`` are segments inside it: while the segmen
 in backward, its children are checkpointed again (nested schedules, Beaumont et al.'s optimal
 "rotor" schedules), and the blocks in none of its children keep what they save.
 
-``simulate(profile, segments)`` is the cost model every solver optimizes and every prediction
-comes from: it walks the training step as the engine runs it (see ``docs/engine.md``, segments)
-and returns the chain's peak memory and the extra (recomputation) time.
-
-The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``BlockProfile``):
-
-- forward, block kept: it adds s_i to what is retained (its input included if its graph keeps
-  that); while it runs, memory peaks at retained + its input + ``forward_peak_bytes``. When
-  the block before was kept and saved its output (``BlockProfile.output_saved``), or the input
-  is the sample's (``Profile.chain_input_fixed``), that input is retained already: it is not
-  counted again, and a segment starting there keeps it free;
-- forward, segment s..e: it retains x_s only; its blocks run with nothing else retained,
-  each peaking at ``segment_forward_peak_bytes()`` above its input (measured checkpointed, or
-  the plain forward's peak);
-- the head (output layer, loss, their backward): peak at what the chain retains + ``head_bytes``;
-- backward, block kept: peak at retained + gradient x_(i+1) + ``backward_peak_bytes`` + the
-  parameter gradients made before it (``head_gradient_bytes`` and every later block's
-  ``gradient_bytes``: gradients start the step as None, as after ``zero_grad()``); then its s_i
-  is released;
-- backward, segment: its blocks run forward again (the children plan applies, with the incoming
-  gradient x_(e+1) and the parameter gradients made so far alive), costing their
-  ``recompute_seconds()`` (measured checkpointed, or their forward time), then their backward
-  as above; then x_s is released. A one-block segment's backward peak is
-  what ``profile`` measured for that block checkpointed alone
-  (``checkpointed_backward_peak_bytes``), where measured. A segment with a policy keeps its
-  blocks' matmul outputs from the first forward and recomputes only the rest; a one-block
-  segment's backward peak and extra time under the policy are measured too
-  (``policy_backward_peak_bytes``, ``policy_extra_seconds``), a longer one is walked as above
-  with each block's kept outputs counted from its first forward on (an upper bound);
-- side inputs (``side_bytes``: an encoder output the decoder blocks save) are retained by the
-  top-level item holding the block they are counted in, from its forward to its backward,
-  whatever the plan; so are those no block saves (``held_side_bytes``: T5's position bias),
-  when the plan has any segment (segments keep them for recomputation); their gradients
-  (``side_gradient_bytes``) count with the parameter gradients made before a block's backward;
-- and, whatever the plan, ``other_peak_bytes`` (the step outside the chain).
+``gradckpt.cost.simulate`` predicts what a plan costs; ``plan_for`` (there) wraps segments into a
+``Plan`` with those predictions.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
-    >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
-    >>> simulate(profile, [])  # all kept: 4 x 50 retained, plus the last block's gradient
-    (210, 0.0)
-    >>> simulate(profile, [Segment(0, 1), Segment(2, 3)])  # two inputs kept, 4 forwards redone
-    (120, 4.0)
+    >>> plan = Plan("sqrt", None, [Segment(0, 1)], 2048, 1.0, 0.25, ["h.0", "h.1", "h.2"])
+    >>> [list(segment.blocks()) for segment in plan.segments]
+    [[0, 1]]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .budget import format_bytes
 from .errors import UsageError
 from .profile_types import Profile
+from .tables import format_table
 
-__all__ = [
-    "Segment", "Plan", "simulate", "gradients_after", "side_inputs_held", "split_at_chain_breaks",
-]
+__all__ = ["Segment", "Plan", "plan_table", "plan_summary", "split_at_chain_breaks"]
 
 
 @dataclass
@@ -117,8 +81,6 @@ class Plan:
             h.2    kept
             strategy sqrt: predicted peak 2.00 KiB, predicted extra time +25.0%
         """
-        from .report import plan_table  # report imports Plan for its type hints
-
         return plan_table(self)
 
     @classmethod
@@ -135,127 +97,6 @@ class Plan:
 def _segment_from_dict(data: dict[str, Any]) -> Segment:
     children = [_segment_from_dict(child) for child in data.get("children", [])]
     return Segment(data["start"], data["end"], children, data.get("policy"))
-
-
-def plan_for(
-    profile: Profile, strategy: str, budget_bytes: int | None, segments: list[Segment]
-) -> Plan:
-    """Wrap segments into a ``Plan`` with the predictions ``simulate`` makes for them.
-
-    Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> profile = Profile([BlockProfile("b", 10, 10, 50, True, 1.0, 2.0)], 1050, 1000, 4.0)
-        >>> plan_for(profile, "every-layer", None, [Segment(0, 0)]).predicted_overhead
-        0.25
-    """
-    chain_peak, extra_seconds = simulate(profile, segments)
-    return Plan(
-        strategy=strategy,
-        budget_bytes=budget_bytes,
-        segments=segments,
-        predicted_peak_bytes=profile.fixed_bytes + chain_peak,
-        predicted_extra_seconds=extra_seconds,
-        predicted_overhead=extra_seconds / profile.step_seconds if profile.step_seconds else 0.0,
-        block_names=[block.name for block in profile.blocks],
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The cost model
-# --------------------------------------------------------------------------------------------
-
-
-def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
-    """The step's peak memory (bytes, above ``fixed_bytes``) and extra seconds under a plan."""
-    blocks = profile.blocks
-    profile.validate()
-    _check_segments(segments, 0, len(blocks) - 1)
-    _check_chain_breaks(segments, profile)
-    walk = _Walk(profile, checkpointing=bool(segments))
-    items = _items(segments, 0, len(blocks) - 1)
-    retained, forward_peak, added = walk.forward(items, 0, profile.input_held(0), 0, top=True)
-    head_peak = retained + profile.head_bytes
-    backward_peak, _ = walk.backward(items, added, retained)
-    peak = max(forward_peak, head_peak, backward_peak, profile.other_peak_bytes)
-    return peak, walk.extra_seconds
-
-
-def gradients_after(profile: Profile) -> list[int]:
-    """Per block i, the gradients allocated when its backward starts: the parameter gradients
-    of the head and of every later block (gradients start the step as None), and those of
-    side inputs later blocks took too (``BlockProfile.side_gradient_bytes``).
-
-    Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0, gradient_bytes=10)
-        ...           for i in range(3)]
-        >>> gradients_after(Profile(blocks, 0, 0, 1.0, head_gradient_bytes=5))
-        [25, 15, 5]
-    """
-    after = [0] * len(profile.blocks)
-    total = profile.head_gradient_bytes
-    for index in range(len(profile.blocks) - 1, -1, -1):
-        after[index] = total + profile.blocks[index].side_gradient_bytes
-        total += profile.blocks[index].gradient_bytes
-    return after
-
-
-def side_inputs_held(profile: Profile, checkpointing: bool) -> list[int]:
-    """Per block, the side inputs counted in it (``BlockProfile.side_bytes``), plus, when the
-    plan checkpoints anything, those no block saves (``held_side_bytes``): a segment keeps
-    them for its recomputation, the plain model frees them after its forward.
-
-    Example:
-        >>> from gradckpt.profile_types import BlockProfile
-        >>> blocks = [BlockProfile("h.0", 1, 1, 1, True, 1.0, 1.0, side_bytes=4),
-        ...           BlockProfile("h.1", 1, 1, 1, True, 1.0, 1.0, held_side_bytes=8)]
-        >>> profile = Profile(blocks, 0, 0, 1.0)
-        >>> side_inputs_held(profile, False), side_inputs_held(profile, True)
-        ([4, 0], [4, 8])
-    """
-    return [block.side_bytes + (block.held_side_bytes if checkpointing else 0)
-            for block in profile.blocks]
-
-
-def _items(segments: list[Segment], start: int, end: int) -> list[int | Segment]:
-    """Blocks start..end in order, with each segment standing for its blocks."""
-    by_start = {segment.start: segment for segment in segments}
-    items: list[int | Segment] = []
-    index = start
-    while index <= end:
-        if index in by_start:
-            items.append(by_start[index])
-            index = by_start[index].end + 1
-        else:
-            items.append(index)
-            index += 1
-    return items
-
-
-def _check_segments(segments: list[Segment], start: int, end: int) -> None:
-    previous_end = start - 1
-    for segment in sorted(segments, key=lambda s: s.start):
-        if not (previous_end < segment.start <= segment.end <= end):
-            raise UsageError(
-                f"segment {segment.start}-{segment.end} does not fit: segments must lie within "
-                f"blocks {start}-{end} and must not overlap"
-            )
-        _check_segments(segment.children, segment.start, segment.end)
-        previous_end = segment.end
-
-
-def _check_chain_breaks(segments: list[Segment], profile: Profile) -> None:
-    for segment in segments:
-        if segment.end > profile.segment_end_limit(segment.start):
-            first = min(i for i in profile.chain_breaks if segment.start < i <= segment.end)
-            names = [block.name for block in profile.blocks]
-            raise UsageError(
-                f"segment {segment.start}-{segment.end} spans blocks {first - 1} and {first} "
-                f"({names[first - 1]} -> {names[first]}), but block {first} does not take block "
-                f"{first - 1}'s output (something runs between them, e.g. encoder to decoder); "
-                f"split the segment there"
-            )
-        _check_chain_breaks(segment.children, profile)
 
 
 def split_at_chain_breaks(segments: list[Segment], profile: Profile) -> list[Segment]:
@@ -278,117 +119,53 @@ def split_at_chain_breaks(segments: list[Segment], profile: Profile) -> list[Seg
     return pieces
 
 
-class _Walk:
-    """Walks a step through the chain, tracking retained bytes; accumulates recompute time."""
+def plan_table(plan: Plan) -> str:
+    """One row per block, saying what happens to its activations, then the predictions.
 
-    def __init__(self, profile: Profile, checkpointing: bool) -> None:
-        self.blocks = profile.blocks
-        self.gradients_after = gradients_after(profile)
-        self.side = side_inputs_held(profile, checkpointing)
-        # Whether block i + 1's input is retained already when block i is kept before it.
-        self.passes_input = [profile.input_held(i + 1) for i in range(len(self.blocks))]
-        self.extra_seconds = 0.0
+    This is ``str(plan)``.
 
-    def forward(
-        self, items: list[int | Segment], retained: int, input_retained: bool, alive: int,
-        kept_by_policy: frozenset[int] = frozenset(), top: bool = False,
-    ) -> tuple[int, int, list[int]]:
-        """Run items forward. ``input_retained``: the first item's input is already counted in
-        ``retained``; ``alive``: bytes alive throughout (a gradient waiting for this part);
-        ``kept_by_policy``: blocks whose matmul outputs are already retained; ``top``: the
-        chain's top level, whose items hold their blocks' side inputs (inside a segment's
-        recomputation the segment holds them already).
-        Returns retained after, the peak, and what each item added (released in backward)."""
-        peak = 0
-        added_per_item = []
-        for item in items:
-            if isinstance(item, Segment):
-                block = self.blocks[item.start]
-                added = 0 if input_retained else block.input_bytes
-                if top:  # the segment keeps its blocks' other inputs from its start on
-                    added += sum(self.side[j] for j in item.blocks())
-                if item.policy is not None:
-                    added += sum(self.blocks[j].matmul_bytes for j in _policy_blocks(item))
-                retained += added
-                for j in item.blocks():
-                    hidden = 0 if j == item.start else self.blocks[j].input_bytes
-                    peak = max(peak, alive + retained + hidden
-                               + _segment_transient(self.blocks, item, j))
-            else:
-                block = self.blocks[item]
-                hidden = 0 if input_retained else block.input_bytes
-                side = self.side[item] if top else 0
-                added = block.saved_bytes + side
-                # Side inputs exist before the block runs, its own peak comes on top.
-                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes + side)
-                if input_retained and block.input_saved:
-                    added -= block.input_bytes  # the same tensor, retained already
-                if item in kept_by_policy:
-                    added -= block.matmul_bytes  # kept from the first forward already
-                retained += added
-            added_per_item.append(added)
-            # A kept block whose graph saves its output retains the next item's input.
-            input_retained = not isinstance(item, Segment) and self.passes_input[item]
-        return retained, peak, added_per_item
-
-    def backward(
-        self, items: list[int | Segment], added_per_item: list[int], retained: int
-    ) -> tuple[int, int]:
-        """Run items' backward in reverse; returns the peak and retained after."""
-        peak = 0
-        for item, added in zip(reversed(items), reversed(added_per_item), strict=True):
-            if isinstance(item, Segment):
-                gradient = self.blocks[item.end].output_bytes
-                inner_items = _items(item.children, item.start, item.end)
-                policy_blocks = frozenset(_policy_blocks(item)) if item.policy else frozenset()
-                self.extra_seconds += sum(
-                    self.blocks[j].policy_recompute_seconds() if j in policy_blocks
-                    else self.blocks[j].recompute_seconds()
-                    for j in item.blocks()
-                )
-                measured = _measured_backward_peak(self.blocks, item)
-                if measured is not None:
-                    # Exactly what profile ran: this block checkpointed alone.
-                    peak = max(peak, retained + gradient + self.gradients_after[item.end]
-                               + measured)
-                    retained -= added
-                    continue
-                inner_retained, inner_forward_peak, inner_added = self.forward(
-                    inner_items, retained, True, gradient + self.gradients_after[item.end],
-                    policy_blocks,
-                )
-                inner_backward_peak, _ = self.backward(inner_items, inner_added, inner_retained)
-                peak = max(peak, inner_forward_peak, inner_backward_peak)
-            else:
-                block = self.blocks[item]
-                peak = max(peak, retained + block.output_bytes + block.backward_peak_bytes
-                           + self.gradients_after[item])
-            retained -= added
-        return peak, retained
+    Example:
+        >>> plan = Plan("sqrt", None, [Segment(0, 1)], 2048, 1.0, 0.25, ["h.0", "h.1", "h.2"])
+        >>> print(plan_table(plan))
+        block  what happens to its activations
+        h.0    recomputed: segment 0-1 (its input kept)
+        h.1    recomputed: segment 0-1
+        h.2    kept
+        strategy sqrt: predicted peak 2.00 KiB, predicted extra time +25.0%
+    """
+    fates = {index: "kept" for index in range(len(plan.block_names))}
+    for segment, depth in _nested(plan.segments, 0):
+        for index in segment.blocks():
+            where = f"segment {segment.start}-{segment.end}"
+            if depth:
+                where += f" (nested, level {depth + 1})"
+            if segment.policy:
+                where += f", {segment.policy}"
+            if index == segment.start and depth == 0:
+                where += " (its input kept)"
+            fates[index] = (f"{fates[index]}; " if depth else "recomputed: ") + where
+    rows = [[name, fates[index]] for index, name in enumerate(plan.block_names)]
+    table = format_table(["block", "what happens to its activations"], rows, align="ll")
+    return f"{table}\n{plan_summary(plan)}"
 
 
-def _segment_transient(blocks: list, segment: Segment, j: int) -> int:
-    """The most block j holds above its input while segment's first forward runs it."""
-    block = blocks[j]
-    if segment.policy is None:
-        return block.segment_forward_peak_bytes()  # saves nothing
-    if _measured_backward_peak(blocks, segment) is not None:
-        return block.policy_transient_bytes()
-    return block.forward_peak_bytes  # a longer policy segment: bounded
+def plan_summary(plan: Plan) -> str:
+    """The plan's predictions in one line.
+
+    Example:
+        >>> plan_summary(Plan("optimal", 4096, [], 3000, 2.0, 0.4, ["a"]))
+        'strategy optimal within 4.00 KiB: predicted peak 2.93 KiB, predicted extra time +40.0%'
+    """
+    budget = f" within {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
+    return (
+        f"strategy {plan.strategy}{budget}: predicted peak "
+        f"{format_bytes(plan.predicted_peak_bytes)}, predicted extra time "
+        f"+{100 * plan.predicted_overhead:.1f}%"
+    )
 
 
-def _measured_backward_peak(blocks: list, segment: Segment) -> int | None:
-    """A one-block segment's backward peak (recomputation included) is measured by
-    ``profile``, with and without the policy; a longer one is walked block by block."""
-    if segment.children or segment.start != segment.end:
-        return None
-    block = blocks[segment.start]
-    if segment.policy is None:
-        return block.checkpointed_backward_peak_bytes
-    return block.policy_backward_peak_bytes
-
-
-def _policy_blocks(segment: Segment) -> list[int]:
-    """The blocks of a segment that its own policy governs: those in none of its children."""
-    inside_children = {j for child in segment.children for j in child.blocks()}
-    return [j for j in segment.blocks() if j not in inside_children]
+def _nested(segments: list[Segment], depth: int) -> Iterator[tuple[Segment, int]]:
+    """Every segment with its nesting depth (0 = top level), parents before children."""
+    for segment in segments:
+        yield segment, depth
+        yield from _nested(segment.children, depth + 1)

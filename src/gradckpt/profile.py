@@ -16,7 +16,7 @@
   of forward time of its matrix multiplies and attention kernels (what
   ``policy="save-matmuls"`` keeps).
 
-``fixed_bytes`` is then whatever of the measured peak the chain model (``gradckpt.plan``) does not
+``fixed_bytes`` is then whatever of the measured peak the chain model (``gradckpt.cost``) does not
 explain: parameters, gradients, embeddings, logits. The model's parameters, gradients, buffers
 and the RNG state are as they were before profiling.
 """
@@ -268,7 +268,7 @@ def _assemble(
     blocks: list[BlockProfile], memory: _StepMemory, step_seconds: float, device: torch.device,
     chain_breaks: list[int], counted_by_blocks_bytes: int = 0,
 ) -> Profile:
-    """The profile, with the step's phases expressed the way ``gradckpt.plan`` models them.
+    """The profile, with the step's phases expressed the way ``gradckpt.cost`` models them.
     ``counted_by_blocks_bytes``: what is alive when the chain's backward ends that the blocks'
     ``side_gradient_bytes`` count already, not the head's: gradients made inside the chain's
     backward outside its blocks, and side inputs the step's output holds."""

@@ -177,7 +177,7 @@ class Profile:
     - ``peak_bytes``: the measured peak memory of one training step without checkpointing.
     - ``fixed_bytes``: what is allocated throughout the step whatever the plan: parameters,
       buffers, the inputs (and gradients or optimizer state kept from an earlier step). A
-      plan's predicted peak is this plus the peak ``gradckpt.plan.simulate`` finds above it.
+      plan's predicted peak is this plus the peak ``gradckpt.cost.simulate`` finds above it.
     - ``step_seconds``: the measured time of one training step without checkpointing.
     - ``head_bytes``: the most memory the part of the step after the chain (output head, loss
       and their backward, up to the chain's output gradient) holds above ``fixed_bytes`` and

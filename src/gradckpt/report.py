@@ -1,18 +1,15 @@
-"""Tables and plots: how gradckpt shows a plan and what it measured.
+"""Tables and plots: how the command line shows a plan and what it measured.
 
-One place for every table and plot, so that ``str(plan)``, ``gradckpt plan`` and
-``gradckpt demo`` say things the same way:
+So that ``str(plan)``, ``gradckpt plan`` and ``gradckpt demo`` say things the same way, the
+tables the core needs live below this module and are re-exported here:
 
-- ``format_table``: rows of text cells in aligned columns (the building block of the others);
-- ``plan_table``: one row per block saying what happens to its activations, then the plan's
-  predictions (this is ``str(plan)``);
+- ``format_table`` (``gradckpt.tables``): rows of text cells in aligned columns;
+- ``plan_table``, ``plan_summary`` (``gradckpt.plan``): one row per block saying what happens
+  to its activations, then the plan's predictions (this is ``str(plan)``);
 - ``memory_breakdown_table``: what takes the memory of a step (parameters, gradients, ...);
 - ``plot_frontier``, ``plot_memory_vs_depth``: PNG plots. They need matplotlib (the ``plot``
   extra, ``pip install 'gradckpt[plot]'``); without it they raise ``PlotsUnavailable``, which
   says so.
-
-Progress messages on stderr are ``gradckpt.progress``'s (``progress``, ``with_progress``,
-``stage``), shared with ``gradckpt.profile``.
 
 Example:
     >>> print(format_table(["strategy", "peak"], [["none", "275.1 MiB"], ["sqrt", "90.2 MiB"]]))
@@ -23,15 +20,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from .budget import format_bytes
 from .errors import GradckptError
-
-if TYPE_CHECKING:  # plan.py imports this module lazily, in Plan.__str__; no cycle at runtime
-    from .plan import Plan, Segment
+from .plan import plan_summary, plan_table
+from .tables import format_table
 
 __all__ = [
     "PlotsUnavailable",
@@ -60,89 +56,6 @@ class StrategyPoint(NamedTuple):
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------
-
-
-def format_table(
-    header: Sequence[str], rows: Iterable[Sequence[str]], align: str | None = None
-) -> str:
-    """Cells in columns two spaces apart; ``align`` has an ``l`` or ``r`` per column.
-
-    The default aligns the first column left and the others right (labels, then numbers).
-
-    Example:
-        >>> print(format_table(["n", "memory"], [["4", "4.0"], ["100", "15.2"]], align="rl"))
-          n  memory
-          4  4.0
-        100  15.2
-    """
-    rows = [list(header), *(list(row) for row in rows)]
-    columns = len(header)
-    align = align or "l" + "r" * (columns - 1)
-    if len(align) != columns or any(len(row) != columns for row in rows):
-        raise ValueError(f"every row and align must have {columns} columns, as the header has")
-    widths = [max(len(row[column]) for row in rows) for column in range(columns)]
-    lines = []
-    for row in rows:
-        cells = [
-            cell.ljust(width) if side == "l" else cell.rjust(width)
-            for cell, width, side in zip(row, widths, align, strict=True)
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def plan_table(plan: Plan) -> str:
-    """One row per block, saying what happens to its activations, then the predictions.
-
-    This is ``str(plan)``.
-
-    Example:
-        >>> from gradckpt.plan import Plan, Segment
-        >>> plan = Plan("sqrt", None, [Segment(0, 1)], 2048, 1.0, 0.25, ["h.0", "h.1", "h.2"])
-        >>> print(plan_table(plan))
-        block  what happens to its activations
-        h.0    recomputed: segment 0-1 (its input kept)
-        h.1    recomputed: segment 0-1
-        h.2    kept
-        strategy sqrt: predicted peak 2.00 KiB, predicted extra time +25.0%
-    """
-    fates = {index: "kept" for index in range(len(plan.block_names))}
-    for segment, depth in _nested(plan.segments, 0):
-        for index in segment.blocks():
-            where = f"segment {segment.start}-{segment.end}"
-            if depth:
-                where += f" (nested, level {depth + 1})"
-            if segment.policy:
-                where += f", {segment.policy}"
-            if index == segment.start and depth == 0:
-                where += " (its input kept)"
-            fates[index] = (f"{fates[index]}; " if depth else "recomputed: ") + where
-    rows = [[name, fates[index]] for index, name in enumerate(plan.block_names)]
-    table = format_table(["block", "what happens to its activations"], rows, align="ll")
-    return f"{table}\n{plan_summary(plan)}"
-
-
-def plan_summary(plan: Plan) -> str:
-    """The plan's predictions in one line.
-
-    Example:
-        >>> from gradckpt.plan import Plan
-        >>> plan_summary(Plan("optimal", 4096, [], 3000, 2.0, 0.4, ["a"]))
-        'strategy optimal within 4.00 KiB: predicted peak 2.93 KiB, predicted extra time +40.0%'
-    """
-    budget = f" within {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
-    return (
-        f"strategy {plan.strategy}{budget}: predicted peak "
-        f"{format_bytes(plan.predicted_peak_bytes)}, predicted extra time "
-        f"+{100 * plan.predicted_overhead:.1f}%"
-    )
-
-
-def _nested(segments: list[Segment], depth: int) -> Iterator[tuple[Segment, int]]:
-    """Every segment with its nesting depth (0 = top level), parents before children."""
-    for segment in segments:
-        yield segment, depth
-        yield from _nested(segment.children, depth + 1)
 
 
 def memory_breakdown_table(parts: Sequence[tuple[str, int]]) -> str:

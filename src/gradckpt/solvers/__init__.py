@@ -2,7 +2,7 @@
 
 Each strategy is one module with one function ``(profile, budget_bytes) -> list[Segment]``; no
 torch inside, so each can be tested exhaustively. ``solve`` picks one by name, parses the budget,
-wraps the segments in a ``Plan`` (predictions from ``gradckpt.plan.simulate``) and raises
+wraps the segments in a ``Plan`` (predictions from ``gradckpt.cost.simulate``) and raises
 ``BudgetError`` when the plan does not fit.
 
 - ``"none"``, ``"every-layer"``, ``"sqrt"``: fixed plans, the same whatever the budget; the budget
@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..budget import format_bytes, parse_budget
+from ..cost import plan_for
 from ..errors import BudgetError, UsageError
-from ..plan import Plan, Segment, plan_for
+from ..plan import Plan, Segment
 from ..profile_types import Profile
 from . import chen_greedy, optimal
 from .every_layer import solve_every_layer

@@ -20,7 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from ..plan import Segment, simulate
+from ..cost import simulate
+from ..plan import Segment
 from ..profile_types import Profile
 
 __all__ = ["solve_chen_greedy", "greedy_segments", "candidate_plans", "minimum_peak_bytes"]

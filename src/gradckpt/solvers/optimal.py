@@ -1,6 +1,6 @@
 """Strategy "optimal": the least extra time that fits the budget, by dynamic programming.
 
-The search space is every plan ``gradckpt.plan.simulate`` evaluates and ``gradckpt.apply`` can
+The search space is every plan ``gradckpt.cost.simulate`` evaluates and ``gradckpt.apply`` can
 install: any blocks kept, any runs of blocks checkpointed as segments (none across a chain
 break, ``Profile.chain_breaks``), segments nested inside segments to any depth (each child a
 proper sub-range of its parent: a child spanning its whole parent only repeats the same
@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import Segment, gradients_after, side_inputs_held, simulate
+from ..cost import gradients_after, side_inputs_held, simulate
+from ..plan import Segment
 from ..policies import PLANNED_POLICY
 from ..profile_types import BlockProfile, Profile
 from .chen_greedy import solve_chen_greedy
