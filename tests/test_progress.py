@@ -1,4 +1,4 @@
-"""Progress bars (``gradckpt.progress``): shown for slow work, quiet for quick work, with or
+"""Progress bars (``gradckpt.cli.progress``): shown for slow work, quiet for quick work, with or
 without tqdm."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gradckpt.progress import progress, stage, with_progress
+from gradckpt.cli.progress import progress, stage, with_progress
 
 
 def run(steps: int, **options: object) -> None:

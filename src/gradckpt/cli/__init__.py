@@ -395,9 +395,9 @@ def _demo_plans(profile) -> list[_PlanRun]:
 
 def _measure_peaks(model, sample, runs: list[_PlanRun], device) -> None:
     import gradckpt
+    from gradckpt.cli.progress import with_progress
     from gradckpt.measure import measure_peak_bytes
     from gradckpt.measure.step import training_step
-    from gradckpt.progress import with_progress
 
     def forward_backward() -> None:
         training_step(model, sample)  # as profile() measured it
@@ -415,8 +415,8 @@ def _measure_peaks(model, sample, runs: list[_PlanRun], device) -> None:
 def _time_plans(model, sample, runs: list[_PlanRun], repeats: int, device) -> None:
     """Median forward+backward time of each plan, in rounds (A, B, C, ..., A, B, C, ...)."""
     import gradckpt
+    from gradckpt.cli.progress import with_progress
     from gradckpt.measure.step import training_step
-    from gradckpt.progress import with_progress
 
     times: dict[int, list[float]] = {index: [] for index in range(len(runs))}
     rounds = range(1 + repeats)
@@ -441,7 +441,7 @@ def _train_plans(model, batches, runs: list[_PlanRun], seed: int) -> None:
     import torch
 
     import gradckpt
-    from gradckpt.progress import with_progress
+    from gradckpt.cli.progress import with_progress
 
     initial = copy.deepcopy(model.state_dict())
     training = f"gradckpt: training {len(batches)} AdamW steps under each plan"
@@ -476,8 +476,8 @@ def _compare_strategies(size: DemoSize, device, seed: int) -> tuple[str, list[_P
     import torch
 
     import gradckpt
+    from gradckpt.cli.progress import stage
     from gradckpt.models import GPTConfig, TinyGPT
-    from gradckpt.progress import stage
 
     config = GPTConfig(n_layer=size.layers, block_size=size.seq)
     torch.manual_seed(seed)
@@ -628,8 +628,8 @@ def _measured_memory(block, depth: int, plans: dict[str, Any], size: DemoSize, s
 
 def _sqrt_rows(size: DemoSize, seed: int) -> tuple[Any, list[_DepthRow]]:
     """Part 2: per chain length, each strategy's memory and extra forwards."""
+    from gradckpt.cli.progress import stage, with_progress
     from gradckpt.plan import simulate
-    from gradckpt.progress import stage, with_progress
 
     stage("profiling one MLP block")
     block = _measure_chain_block(size, seed)
@@ -1052,7 +1052,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     import gradckpt
     from gradckpt.budget import format_bytes
-    from gradckpt.progress import stage
+    from gradckpt.cli.progress import stage
     from gradckpt.report import memory_breakdown_table
 
     if args.list:
