@@ -301,6 +301,16 @@ def _resolve_device(name: str):
     return device
 
 
+def _profile_with_bar(model, sample, **options: Any):
+    """``gradckpt.profile`` with a bar on stderr: every profile the command line takes shows
+    one, as profiling is the slow part of both commands."""
+    import gradckpt
+    from gradckpt.cli.progress import progress_bar
+
+    with progress_bar("gradckpt: profiling") as report:
+        return gradckpt.profile(model, sample, progress=report, **options)
+
+
 def _mebibytes(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:.1f} MiB"
 
@@ -475,7 +485,6 @@ def _compare_strategies(size: DemoSize, device, seed: int) -> tuple[str, list[_P
     """Part 1: the GPT planned each way; returns the heading, the measured runs, the profile."""
     import torch
 
-    import gradckpt
     from gradckpt.cli.progress import stage
     from gradckpt.models import GPTConfig, TinyGPT
 
@@ -491,7 +500,7 @@ def _compare_strategies(size: DemoSize, device, seed: int) -> tuple[str, list[_P
     sample = {"idx": batches[0][0], "targets": batches[0][1]}
 
     stage("profiling TinyGPT (one training step, then each block)")
-    profile = gradckpt.profile(model, sample)
+    profile = _profile_with_bar(model, sample)
     runs = _demo_plans(profile)
     _measure_peaks(model, sample, runs, device)
     _time_plans(model, sample, runs, size.timing_repeats, device)
@@ -587,13 +596,12 @@ def _measure_chain_block(size: DemoSize, seed: int):
     """The profile of one MLP block, measured inside a short chain (its inner block)."""
     import torch
 
-    import gradckpt
     from gradckpt.models import mlp_chain
 
     torch.manual_seed(seed)
     chain = mlp_chain(4, size.chain_width)
     rows = torch.randn(size.chain_rows, size.chain_width)
-    return gradckpt.profile(chain, rows).blocks[1]  # an inner block: input from a block
+    return _profile_with_bar(chain, rows).blocks[1]  # an inner block: input from a block
 
 
 def _measured_memory(block, depth: int, plans: dict[str, Any], size: DemoSize, seed: int):
@@ -1050,7 +1058,6 @@ def run_plan(args: argparse.Namespace) -> int:
     """``gradckpt plan``: profile MODEL, solve for the budget, print (and write) the plan."""
     import torch
 
-    import gradckpt
     from gradckpt.budget import format_bytes
     from gradckpt.cli.progress import stage
     from gradckpt.report import memory_breakdown_table
@@ -1066,7 +1073,7 @@ def run_plan(args: argparse.Namespace) -> int:
     model = target.model.to(device).train()
     sample = _to_device(target.sample, device)
     stage("profiling one training step and each block")
-    profile = gradckpt.profile(model, sample, keep_output=not args.drop_output)
+    profile = _profile_with_bar(model, sample, keep_output=not args.drop_output)
     optimizer_bytes = _optimizer_state_bytes(model, args.optimizer)
     plan = _solve_with_optimizer(profile, args.budget, args.strategy, optimizer_bytes)
 
