@@ -302,7 +302,6 @@ def test_factory_that_raises_in_a_subprocess_is_one_line_exit_1(tmp_path):
         (["plan", "tinygpt", "--budget", "6G"], "'6G' is ambiguous"),
         (["plan", "tinygpt"], "pass --budget"),
         (["plan", "tinygpt", "--strategy", "fast"], "unknown strategy 'fast'"),
-        (["plan", "tinygpt", "--budget", "1GiB", "--estimate"], "not available yet"),
         (["plan", "gpt-17", "--strategy", "sqrt"], "unknown model 'gpt-17'"),
     ],
 )

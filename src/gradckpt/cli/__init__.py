@@ -235,11 +235,6 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (Plan.from_json)")
     plan.add_argument("--plot", metavar="FILE", help="write the memory/time frontier as a PNG")
     plan.add_argument(
-        "--estimate",
-        action="store_true",
-        help="predict instead of profiling (not available yet)",
-    )
-    plan.add_argument(
         "--device", default="auto", help="where to profile: auto (default), cpu, cuda, cuda:1, ..."
     )
     plan.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -956,11 +951,6 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
     from gradckpt.errors import UsageError
     from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES
 
-    if args.estimate:
-        raise CommandLineError(
-            "--estimate needs gradckpt.estimate, which is not available yet; leave out "
-            "--estimate to profile the model on this machine"
-        )
     if args.model is None:
         raise CommandLineError("MODEL is missing (see 'gradckpt plan --list' for built-ins)")
     if args.strategy not in STRATEGIES:
