@@ -17,7 +17,6 @@ import copy
 import dataclasses
 import importlib
 import inspect
-import json
 import os
 import re
 import statistics
@@ -851,50 +850,23 @@ def resolve_model(spec: str, batch: int, seq: int) -> _Target:
 
 
 def _from_config_json(path: Path, batch: int, seq: int) -> _Target:
+    from gradckpt.integrations import hf
+
     try:
-        import transformers
-    except ImportError:
-        raise ImportError(
-            "planning a config.json needs Hugging Face Transformers: pip install 'gradckpt[hf]'"
-        ) from None
-    try:
-        settings = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None
-    if not isinstance(settings, dict) or "model_type" not in settings:
+        model = hf.model_from_config_json(path)
+    except hf.NoLanguageModelError as error:
         raise ValueError(
-            f"{path} has no 'model_type': not a Hugging Face model config.json"
-        )
-    config = transformers.AutoConfig.for_model(**settings)
-    config.use_cache = False  # training: the key/value cache only costs memory
-    # Encoder-decoder configs (T5, BART) train as sequence-to-sequence models, the rest as
-    # causal language models; both on input_ids and labels.
-    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
-    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
-    try:
-        model = auto.from_config(config)  # random weights
-    except ValueError:
-        kind = "sequence-to-sequence" if seq2seq else "causal language"
-        raise ValueError(
-            f"{path}: Transformers has no {kind} model for model_type "
-            f"{settings['model_type']!r}; plan it with package.module:factory (a function "
-            "returning the model and a sample)"
+            f"{error}; plan it with package.module:factory (a function returning the model and "
+            "a sample)"
         ) from None
-    name = type(model).__name__
-    return _Target(model, _token_sample(model, batch, seq), f"{name} from {path}")
-
-
-def _token_sample(model, batch: int, seq: int) -> dict:
-    """input_ids and labels of shape (batch, seq): what a causal language model trains on (a
-    sequence-to-sequence one reads labels as its targets, of the same length here)."""
-    import torch
-
-    tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
-    return {"input_ids": tokens, "labels": tokens.clone()}
+    sample = hf.token_sample(model, batch, seq)
+    return _Target(model, sample, f"{type(model).__name__} from {path}")
 
 
 def _from_factory(spec: str, batch: int, seq: int) -> _Target:
     from torch import nn
+
+    from gradckpt.integrations import hf
 
     module_name, function_name = spec.split(":")
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -923,13 +895,13 @@ def _from_factory(spec: str, batch: int, seq: int) -> _Target:
             "(module, sample)"
         )
     if sample is None:
-        if not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+        if not hf.is_language_model(model):
             raise ValueError(
                 f"factory {spec} returned a {type(model).__name__} without a sample, and "
                 "gradckpt cannot tell what it takes: return (model, sample), where the sample "
                 "is a tensor, a tuple or a dict of the model's inputs"
             )
-        sample = _token_sample(model, batch, seq)  # a Hugging Face language model
+        sample = hf.token_sample(model, batch, seq)
     return _Target(model, sample, f"{type(model).__name__} from {spec}")
 
 
