@@ -102,6 +102,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import gradckpt
+from gradckpt.cli.progress import progress_bar
 from gradckpt.cost import simulate
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
@@ -326,7 +327,8 @@ def quiet_profile(
     load = _common.ForeignLoad()
     load.start()
     # The progress bar only helps on a terminal; piped into a file it is noise.
-    measured = gradckpt.profile(model, sample, progress=sys.stderr.isatty())
+    with progress_bar("gradckpt: profiling", enabled=sys.stderr.isatty()) as report:
+        measured = gradckpt.profile(model, sample, progress=report)
     foreign_cores = load.stop()
     foreign = "n/a" if foreign_cores is None else f"{foreign_cores:.2f}"
     print(

@@ -232,6 +232,21 @@ def test_plan_factory(tmp_path):
     assert result.stdout.startswith("Sequential from factories:build: 4 blocks")
 
 
+def test_plan_profiles_with_a_progress_callback(monkeypatch, capsys):
+    """The library draws no bar: the command passes ``profile`` a callback that draws it."""
+    callbacks = []
+    real_profile = gradckpt.profile
+
+    def recording_profile(*arguments, **options):
+        callbacks.append(options.get("progress"))
+        return real_profile(*arguments, **options)
+
+    monkeypatch.setattr(gradckpt, "profile", recording_profile)
+    assert main(["plan", "mlp-chain", "--batch", "1", "--seq", "2", "--strategy", "sqrt",
+                 "--device", "cpu"]) == 0
+    assert len(callbacks) == 1 and callable(callbacks[0])
+
+
 def test_plan_list(capsys):
     assert main(["plan", "--list"]) == 0
     assert capsys.readouterr().out.split()[0] == "tinygpt"
@@ -287,7 +302,6 @@ def test_factory_that_raises_in_a_subprocess_is_one_line_exit_1(tmp_path):
         (["plan", "tinygpt", "--budget", "6G"], "'6G' is ambiguous"),
         (["plan", "tinygpt"], "pass --budget"),
         (["plan", "tinygpt", "--strategy", "fast"], "unknown strategy 'fast'"),
-        (["plan", "tinygpt", "--budget", "1GiB", "--estimate"], "not available yet"),
         (["plan", "gpt-17", "--strategy", "sqrt"], "unknown model 'gpt-17'"),
     ],
 )

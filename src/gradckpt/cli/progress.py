@@ -1,8 +1,11 @@
 """Progress on stderr for work that may take a while (profiling, the demo, ``gradckpt plan``).
 
-The one place gradckpt shows progress; stdout is left to the results.
+The one place gradckpt shows progress; stdout is left to the results. The library itself draws
+nothing: ``gradckpt.profile`` reports ``(done, total)`` to a callback, and ``progress_bar`` is
+the callback the command line passes it.
 
 - ``progress(total, description)``: a context manager yielding an object with ``update(n)``;
+- ``progress_bar(description)``: a context manager yielding a ``(done, total)`` callback;
 - ``with_progress(items, description)``: yields ``items``, counting them with ``progress``;
 - ``stage(description)``: one line saying that a stage with no steps to count has started.
 
@@ -23,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["progress", "with_progress", "stage"]
+__all__ = ["DELAY_SECONDS", "progress", "progress_bar", "with_progress", "stage"]
 
 # Seconds before anything is shown: quick work stays quiet.
 DELAY_SECONDS = 2.0
@@ -53,6 +56,8 @@ class _Lines:
 
 
 class _Silent:
+    total: int | None = None
+
     def update(self, n: int = 1) -> None:
         pass
 
@@ -80,6 +85,36 @@ def progress(
         return
     with tqdm(total=total, desc=description, delay=delay, leave=False, file=sys.stderr) as bar:
         yield bar
+
+
+@contextlib.contextmanager
+def progress_bar(
+    description: str, *, enabled: bool = True, delay: float = DELAY_SECONDS
+) -> Iterator[Callable[[int, int], None]]:
+    """A ``progress`` bar driven by a callback ``(done, total)``, as ``gradckpt.profile`` calls.
+
+    For work that counts its own steps and says how many there are only once it has started:
+    each call sets the bar's total and moves it to ``done``.
+
+    Example:
+        >>> import gradckpt
+        >>> from gradckpt.models import mlp_chain
+        >>> import torch
+        >>> with progress_bar("gradckpt: profiling") as report:  # quick: nothing shown
+        ...     measured = gradckpt.profile(mlp_chain(2, 8), torch.randn(4, 8), progress=report)
+        >>> len(measured.blocks)
+        2
+    """
+    with progress(None, description, enabled=enabled, delay=delay) as bar:
+        reported = 0
+
+        def report(done: int, total: int) -> None:
+            nonlocal reported
+            bar.total = total  # known only once the work has begun
+            bar.update(done - reported)
+            reported = done
+
+        yield report
 
 
 def with_progress(

@@ -1,0 +1,183 @@
+"""The arguments of ``gradckpt``, ``gradckpt demo`` and ``gradckpt plan``.
+
+Each command's parser names the function that runs it (``args.func``); a usage error is one
+line saying what was wrong and where the help is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from typing import Any, NoReturn
+
+from gradckpt import __version__
+
+from .demo import run_demo
+from .demo_size import DEFAULT_DEMO, QUICK_DEMO
+from .plan import run_plan
+
+__all__ = ["EXAMPLES", "build_parser"]
+
+
+EXAMPLES = """\
+examples:
+  gradckpt demo                                   # about a minute on a laptop CPU
+  gradckpt demo --quick --out /tmp/demo           # seconds; plots in /tmp/demo
+  gradckpt plan --list                            # the built-in models
+  gradckpt plan tinygpt --batch 8 --seq 128 --budget 60%
+  gradckpt plan path/to/config.json --batch 1 --seq 2048 --budget 6GiB --optimizer adam
+  gradckpt plan mypackage.models:build --budget 2GiB --json plan.json --plot frontier.png
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line: what was wrong and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: usage error: {message} (see '{self.prog} --help')\n")
+
+
+def _paragraph(text: str) -> str:
+    """Wrapped for --help (the raw formatter, kept for the examples, does not wrap)."""
+    return textwrap.fill(text, width=88)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``gradckpt`` command.
+
+    Example:
+        >>> build_parser().parse_args(["demo", "--quick"]).quick
+        True
+        >>> build_parser().parse_args(["plan", "tinygpt", "--budget", "60%"]).budget
+        '60%'
+    """
+    # --debug is accepted before and after the subcommand; SUPPRESS keeps the subcommand's
+    # default from overwriting a --debug given before it.
+    debug_parent = argparse.ArgumentParser(add_help=False)
+    debug_parent.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    parser = _Parser(
+        prog="gradckpt",
+        description="Gradient checkpointing for PyTorch: state a memory budget, get a plan.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"gradckpt {__version__}")
+    parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_demo_parser(commands, debug_parent)
+    _add_plan_parser(commands, debug_parent)
+    return parser
+
+
+def _add_demo_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> None:
+    demo = commands.add_parser(
+        "demo",
+        parents=[debug_parent],
+        help="what each strategy costs on a small GPT, the sqrt(n) table, and plots",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paragraph(
+            "1. Profiles TinyGPT, plans it with none / every-layer / sqrt / optimal at a few "
+            "budgets, and measures each plan's peak memory (forward + backward), step time and "
+            "whether training stays bit-identical. 2. The sqrt(n) table: activation memory and "
+            "extra forward work of each strategy on chains of n identical blocks, computed by "
+            "the solvers and measured where quick. 3. Plots (PNG) in --out."
+        ),
+    )
+    size = DEFAULT_DEMO
+    demo.add_argument("--layers", type=_positive_int, help=f"GPT blocks (default {size.layers})")
+    demo.add_argument(
+        "--batch", type=_positive_int, help=f"sequences per batch (default {size.batch})"
+    )
+    demo.add_argument("--seq", type=_positive_int, help=f"tokens per sequence (default {size.seq})")
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        help=f"AdamW steps of the bit-identity check (default {size.steps})",
+    )
+    demo.add_argument(
+        "--quick",
+        action="store_true",
+        help=(
+            f"a small run for tests: {QUICK_DEMO.layers} layers, batch {QUICK_DEMO.batch}, "
+            f"{QUICK_DEMO.seq} tokens, chains of {', '.join(map(str, QUICK_DEMO.depths))} "
+            "blocks (explicit flags still win)"
+        ),
+    )
+    demo.add_argument(
+        "--out",
+        default="gradckpt-demo",
+        help="folder for the PNG plots (default ./gradckpt-demo/)",
+    )
+    demo.add_argument(
+        "--device",
+        default="auto",
+        help="device to run on: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.set_defaults(func=run_demo)
+
+
+def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> None:
+    plan = commands.add_parser(
+        "plan",
+        parents=[debug_parent],
+        help="profile a model and print the checkpointing plan for a budget",
+        description=_paragraph(
+            "Profile one training step of MODEL on this machine, solve for the budget and "
+            "print the plan: what happens to each block, the predicted peak and extra time, "
+            "and what takes the memory. MODEL is a Hugging Face config.json (or a folder "
+            "holding one; the model is built with random weights, nothing is downloaded), a "
+            "built-in name (--list), or package.module:factory, a function returning a module "
+            "or (module, sample); it gets batch= and seq= when it takes them."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("model", nargs="?", metavar="MODEL", help="what to plan (see above)")
+    plan.add_argument("--list", action="store_true", help="list the built-in models and exit")
+    plan.add_argument("--batch", type=_positive_int, default=4, help="batch size (default 4)")
+    plan.add_argument(
+        "--seq", type=_positive_int, default=128, help="tokens per sequence (default 128)"
+    )
+    plan.add_argument(
+        "--budget",
+        help="peak memory of a training step: 6GiB, 512MiB, 6GB, 60%% (of the peak without "
+        "checkpointing) or auto; needed by the optimal and chen-greedy strategies",
+    )
+    plan.add_argument(
+        "--strategy",
+        default="optimal",
+        help="none, every-layer, sqrt, chen-greedy or optimal (default)",
+    )
+    plan.add_argument(
+        "--optimizer",
+        choices=["none", "adam"],
+        default="none",
+        help="adam: count Adam's state (2 fp32 values per parameter) in the peak and budget",
+    )
+    plan.add_argument(
+        "--drop-output",
+        action="store_true",
+        help="the training loop drops the model's output before backward, as the Hugging Face "
+        "Trainer does; by default it is held through backward (out = model(**batch); "
+        "out.loss.backward()), which for a language model keeps the logits alive",
+    )
+    plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (Plan.from_json)")
+    plan.add_argument("--plot", metavar="FILE", help="write the memory/time frontier as a PNG")
+    plan.add_argument(
+        "--device", default="auto", help="where to profile: auto (default), cpu, cuda, cuda:1, ..."
+    )
+    plan.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    plan.set_defaults(func=run_plan)
