@@ -12,12 +12,12 @@ from torch import nn
 
 import gradckpt
 from gradckpt import UsageError
+from gradckpt.engine.segments import checkpoint_segments
 from gradckpt.measure import measure_peak_bytes
+from gradckpt.measure.profile import _pooled_times, _TimeRatios
 from gradckpt.models import GPTConfig, TinyGPT, small_cnn
 from gradckpt.plan import Segment, plan_for, simulate
-from gradckpt.profile import _pooled_times, _TimeRatios
 from gradckpt.profile_types import BlockProfile
-from gradckpt.segments import checkpoint_segments
 
 BATCH, SEQ = 4, 64
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=SEQ, dropout=0.1)

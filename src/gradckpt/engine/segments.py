@@ -32,9 +32,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .engine import _debug_state, _detached_like, _first_tensor, _PolicyMode, _Region, _unpack
-from .errors import UsageError
-from .policies import PolicyLike, resolve_policy
+from ..errors import UsageError
+from ..policies import PolicyLike, resolve_policy
+from .debug import _debug_state
+from .policy_mode import _PolicyMode
+from .region import _Region, _unpack
+from .tensors import _detached_like, _first_tensor
 
 __all__ = ["checkpoint_segments", "SegmentsHandle"]
 
@@ -250,7 +253,7 @@ def checkpoint_segments(
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.segments import checkpoint_segments
+        >>> from gradckpt.engine.segments import checkpoint_segments
         >>> chain = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
         >>> handle = checkpoint_segments(list(chain), [(0, 1), (2, 3)])
         >>> chain(torch.randn(2, 8, requires_grad=True)).sum().backward()

@@ -11,7 +11,7 @@
   encoder's output counted once for the chain); the transient memory of its forward and
   backward pass (MemTracker / the CUDA allocator, above what existed before); its forward and
   backward time and what checkpointing it adds (its forward timed inside the measured steps,
-  see ``gradckpt.step_timer``; the others as multiples of its forward timed in the same rounds
+  see ``gradckpt.measure.timing``; the others as multiples of its forward timed in the same rounds
   on its own, pooled over identical blocks); and the outputs and share
   of forward time of its matrix multiplies and attention kernels (what
   ``policy="save-matmuls"`` keeps).
@@ -35,17 +35,18 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..caches import caches_off
+from ..engine import _detached_like, _first_tensor, _storage_key, checkpoint
+from ..engine.segments import continues_chain
+from ..errors import UsageError
+from ..policies import PLANNED_POLICY, is_matmul_or_attention
+from ..profile_types import BlockProfile, Profile
 from .blocks import resolve_blocks
-from .caches import caches_off
-from .engine import _detached_like, _first_tensor, _storage_key, checkpoint
-from .errors import UsageError
-from .measure import MemoryMeter, infer_device
-from .measure.step import loss_of, run_model, training_step
+from .device import infer_device
+from .meter import MemoryMeter
 from .model_state import buffers_and_rng_preserved, gradients_preserved
-from .policies import PLANNED_POLICY, is_matmul_or_attention
-from .profile_types import BlockProfile, Profile
-from .segments import continues_chain
-from .step_timer import BlockForwardTimer
+from .step import loss_of, run_model, training_step
+from .timing import BlockForwardTimer
 
 __all__ = ["profile", "run_model", "loss_of"]
 
@@ -392,7 +393,7 @@ class _Recording:
 
     def chain_breaks(self) -> list[int]:
         """Positions in ``order`` whose block did not take the previous one's output as its
-        hidden state (the test ``gradckpt.segments`` applies)."""
+        hidden state (the test ``gradckpt.engine.segments`` applies)."""
         return [
             position for position in range(1, len(self.order))
             if not continues_chain(*self.arguments[self.order[position]],
