@@ -12,7 +12,7 @@ from torch import nn
 
 import gradckpt
 from gradckpt import UsageError
-from gradckpt.engine.segments import checkpoint_segments
+from gradckpt.engine import checkpoint_segments
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.measure.profile import _pooled_times, _TimeRatios
 from gradckpt.models import GPTConfig, TinyGPT, small_cnn

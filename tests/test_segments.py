@@ -19,7 +19,7 @@ from hf_models import tiny_llama
 from torch import nn
 
 from gradckpt import UsageError
-from gradckpt.engine.segments import checkpoint_segments
+from gradckpt.engine import checkpoint_segments
 from gradckpt.measure import MemoryMeter
 from gradckpt.models import GPTConfig, TinyGPT
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .caches import turn_caches_off
-from .engine.segments import SegmentsHandle, checkpoint_segments
+from .engine import SegmentsHandle, checkpoint_segments
 from .errors import UsageError
 from .measure import resolve_blocks
 from .plan import Plan, Segment

@@ -36,8 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..caches import caches_off
-from ..engine import _detached_like, _first_tensor, _storage_key, checkpoint
-from ..engine.segments import continues_chain
+from ..engine import checkpoint, continues_chain, detached_like, first_tensor, storage_key
 from ..errors import UsageError
 from ..policies import PLANNED_POLICY, is_matmul_or_attention
 from ..profile_types import BlockProfile, Profile
@@ -155,7 +154,7 @@ def profile(
         measured = []
         saved_side_inputs = []
         time_ratios = []
-        model_storages = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         for (name, module), call, gradient_bytes, forward_in_step in zip(
             named_blocks, calls, _gradient_bytes(modules), in_step_forward, strict=True
         ):
@@ -173,7 +172,7 @@ def profile(
     )
     measured, output_held_bytes = _with_side_inputs(
         measured, recording, chain_breaks, model_storages, saved_side_inputs,
-        {_storage_key(tensor) for tensor in _tensors(sample)},
+        {storage_key(tensor) for tensor in _tensors(sample)},
         recording.output_storages if keep_output else set(),
     )
     between = recording.gradients_made_after()
@@ -323,7 +322,7 @@ class _BlockCall:
     def __init__(self, args: tuple, kwargs: dict) -> None:
         leaves, self.spec = tree_flatten((args, kwargs))
         self.leaves = [
-            _detached_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+            detached_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
         ]
         tensors = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
@@ -334,22 +333,22 @@ class _BlockCall:
     def side_storages(self, excluded: set) -> dict[int, int]:
         """The storages of its other tensor arguments (masks, an encoder's output, rotary
         cos/sin), less ``excluded`` (the model's parameters and buffers), with their bytes."""
-        hidden = _storage_key(self.leaves[self.hidden])
+        hidden = storage_key(self.leaves[self.hidden])
         return {
-            _storage_key(leaf): leaf.untyped_storage().nbytes()
+            storage_key(leaf): leaf.untyped_storage().nbytes()
             for leaf in self.leaves
             if isinstance(leaf, torch.Tensor)
-            and _storage_key(leaf) not in excluded and _storage_key(leaf) != hidden
+            and storage_key(leaf) not in excluded and storage_key(leaf) != hidden
         }
 
     def side_gradients(self, excluded: set) -> dict[int, int]:
         """Of those, the ones that need a gradient, with its bytes."""
         sides = self.side_storages(excluded)
         return {
-            _storage_key(leaf): _nbytes(leaf)
+            storage_key(leaf): _nbytes(leaf)
             for leaf in self.leaves
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-            and _storage_key(leaf) in sides
+            and storage_key(leaf) in sides
         }
 
     def fresh(self) -> tuple[tuple, dict, torch.Tensor]:
@@ -412,7 +411,7 @@ def _record_block_calls(
             recording.calls[index] = _BlockCall(args, kwargs)
             recording.arguments[index] = (args, kwargs)
             recording.order.append(index)
-            hidden = _first_tensor((args, kwargs))
+            hidden = first_tensor((args, kwargs))
             if hidden is not None and hidden.requires_grad:
                 hidden.register_hook(functools.partial(backward_done, index))
 
@@ -432,19 +431,19 @@ def _record_block_calls(
     def record_output(index: int, module: nn.Module, args: tuple, output: Any) -> None:
         recording.running -= 1
         recording.last_ended = index
-        recording.outputs.setdefault(index, _first_tensor(output))
+        recording.outputs.setdefault(index, first_tensor(output))
         # Besides the hidden state, whose gradient the walk counts as the incoming one.
         hidden = recording.outputs[index]
         recording.returned.setdefault(index, {
-            _storage_key(leaf) for leaf in tree_flatten(output)[0]
+            storage_key(leaf) for leaf in tree_flatten(output)[0]
             if isinstance(leaf, torch.Tensor) and leaf is not hidden
-            and (hidden is None or _storage_key(leaf) != _storage_key(hidden))
+            and (hidden is None or storage_key(leaf) != storage_key(hidden))
         })
 
     def saved_between(tensor: torch.Tensor) -> torch.Tensor:
         if recording.running == 0 and recording.last_ended is not None:
             saved = recording.saved_after.setdefault(recording.last_ended, {})
-            saved[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+            saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
         return tensor
 
     hooks = [
@@ -466,7 +465,7 @@ def _record_block_calls(
             output = run_model(model, sample)
             loss = loss_of(output, loss_fn)
         recording.output_storages = {
-            _storage_key(leaf) for leaf in tree_flatten(output)[0]
+            storage_key(leaf) for leaf in tree_flatten(output)[0]
             if isinstance(leaf, torch.Tensor)
         }
         del output
@@ -524,14 +523,14 @@ class _StepMemory:
 
     def _chain_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._enter("forward")
-        hidden = _first_tensor((args, kwargs))
+        hidden = first_tensor((args, kwargs))
         if hidden is not None and hidden.requires_grad:
             # the gradient of the chain's input ends the chain's backward
             hidden.register_hook(self._chain_backward_ends)
 
     def _chain_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._enter("head")
-        hidden = _first_tensor(output)
+        hidden = first_tensor(output)
         if hidden is not None and hidden.requires_grad:
             hidden.register_hook(self._chain_backward_starts)
 
@@ -577,8 +576,8 @@ def _measure_block(
     Its backward and extra times are multiples of its forward timed in the same rounds (the
     ``_TimeRatios`` returned, which ``profile`` pools over identical blocks) times its forward
     timed in the step (``forward_in_step``; its forward alone when that is None)."""
-    parameter_storages = {_storage_key(p) for p in block.parameters()}
-    parameter_storages |= {_storage_key(b) for b in block.buffers()}
+    parameter_storages = {storage_key(p) for p in block.parameters()}
+    parameter_storages |= {storage_key(b) for b in block.buffers()}
 
     # Its gradients start as None, as in a training step: the steps profile ran before left
     # them allocated, and a backward accumulating into them would not count the new ones (an
@@ -588,7 +587,7 @@ def _measure_block(
     saved: dict[int, int] = {}  # storage -> bytes, each storage once
 
     def remember(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key not in parameter_storages:
             saved[key] = tensor.untyped_storage().nbytes()
         return tensor
@@ -607,8 +606,8 @@ def _measure_block(
         memory.reset_peak()
         chain_output.backward(gradient)
         backward_peak = memory.peak() - start
-    input_saved = _storage_key(hidden) in saved
-    output_saved = _storage_key(chain_output) in saved
+    input_saved = storage_key(hidden) in saved
+    output_saved = storage_key(chain_output) in saved
     saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
     block.zero_grad(set_to_none=True)
 
@@ -807,7 +806,7 @@ class _OpTimer(TorchDispatchMode):
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         for tensor in outputs:
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if self.producer.get(key, "").startswith("aten.empty"):
                 self.producer[key] = name  # the first to write it (dropout's bernoulli_)
             else:
@@ -832,13 +831,13 @@ def _operations(block: nn.Module, call: _BlockCall, side_inputs: dict[int, int])
     """Run the block's forward once more, timing and attributing each operation (saved side
     inputs left out, as from ``saved_bytes``)."""
     args, kwargs, hidden = call.fresh()
-    excluded = {_storage_key(t) for t in (*block.parameters(), *block.buffers())}
+    excluded = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
     excluded |= set(side_inputs)
     saved: dict[int, int] = {}
 
     def remember(tensor: torch.Tensor) -> torch.Tensor:
-        if _storage_key(tensor) not in excluded:
-            saved[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        if storage_key(tensor) not in excluded:
+            saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
         return tensor
 
     # With grad, as in training: kernels can differ without it.
@@ -847,7 +846,7 @@ def _operations(block: nn.Module, call: _BlockCall, side_inputs: dict[int, int])
     total = sum(timer.seconds.values())
     saved_by_op: dict[str, int] = {}
     for key, nbytes in saved.items():
-        name = "input" if key == _storage_key(hidden) else timer.producer.get(key, "other input")
+        name = "input" if key == storage_key(hidden) else timer.producer.get(key, "other input")
         saved_by_op[name] = saved_by_op.get(name, 0) + nbytes
     by_time = sorted(timer.seconds.items(), key=lambda item: -item[1])
     return _Operations(
@@ -877,7 +876,7 @@ def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -
 
 
 def _block_output(output: Any) -> torch.Tensor:
-    tensor = _first_tensor(output)
+    tensor = first_tensor(output)
     if tensor is None:
         raise UsageError("a block returned no tensor: it cannot be part of a chain")
     return tensor
