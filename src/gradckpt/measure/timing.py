@@ -194,6 +194,8 @@ def interleaved_seconds(
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """The median of ``repeats`` runs of ``fn``, in seconds; on CUDA the device is synchronised
+    around each run, so that the time includes the kernels it launched."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
