@@ -15,7 +15,7 @@ from hf_models import tiny_bart, tiny_clip, tiny_llama, tiny_t5
 from torch import nn
 
 import gradckpt
-from gradckpt.blocks import find_blocks, resolve_blocks
+from gradckpt.measure import find_blocks, resolve_blocks
 from gradckpt.models import GPTConfig, TinyGPT, mlp_chain, small_cnn
 
 transformers = pytest.importorskip("transformers")

@@ -11,10 +11,9 @@ from torch import nn
 import gradckpt
 from gradckpt import BudgetError
 from gradckpt.cost import simulate
-from gradckpt.measure import measure_peak_bytes
+from gradckpt.measure import loss_of, measure_peak_bytes
 from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.plan import Segment
-from gradckpt.profile import loss_of
 from gradckpt.solvers.optimal import minimum_peak_bytes
 
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=64, dropout=0.1)

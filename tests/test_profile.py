@@ -13,12 +13,12 @@ from torch import nn
 import gradckpt
 from gradckpt import UsageError
 from gradckpt.cost import plan_for, simulate
+from gradckpt.engine import checkpoint_segments
 from gradckpt.measure import measure_peak_bytes
+from gradckpt.measure.timing import TimeRatios, pooled_times
 from gradckpt.models import GPTConfig, TinyGPT, small_cnn
 from gradckpt.plan import Segment
-from gradckpt.profile import _pooled_times, _TimeRatios
 from gradckpt.profile_types import BlockProfile
-from gradckpt.segments import checkpoint_segments
 
 BATCH, SEQ = 4, 64
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=SEQ, dropout=0.1)
@@ -94,10 +94,10 @@ def test_identical_blocks_share_one_estimate_of_each_time_ratio() -> None:
 
 def test_blocks_of_different_kinds_keep_their_own_ratios() -> None:
     # A wider last layer computes something else: its ratios are its own rounds' medians.
-    ratios = [_TimeRatios([1.0], [1.0], [0.5]), _TimeRatios([3.0], [2.0], [0.5]),
-              _TimeRatios([2.0], [1.5], [0.0])]
+    ratios = [TimeRatios([1.0], [1.0], [0.5]), TimeRatios([3.0], [2.0], [0.5]),
+              TimeRatios([2.0], [1.5], [0.0])]
     blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 2.0, 0.0) for i in range(3)]
-    pooled = _pooled_times(blocks, ratios, ["narrow", "narrow", "wide"])
+    pooled = pooled_times(blocks, ratios, ["narrow", "narrow", "wide"])
     assert [b.backward_seconds for b in pooled] == [4.0, 4.0, 4.0]  # median of {1, 3}: 2 x 2 s
     assert [b.checkpointed_extra_seconds for b in pooled] == [3.0, 3.0, 3.0]
     assert [b.policy_extra_seconds for b in pooled] == [1.0, 1.0, 0.0]

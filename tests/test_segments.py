@@ -1,9 +1,9 @@
 """Segments: consecutive blocks called by the model's own loop, checkpointed as one region.
 
-Engine invariants 1, 3, 5 and 6 for ``gradckpt.segments.checkpoint_segments``, which plans with
-segments longer than one block (sqrt, optimal) rely on: bit-identical training with disjoint and
-nested segments, exactly the segment inputs kept through the forward pass, nothing installed
-without grad, and clear errors for segments that cannot work.
+Engine invariants 1, 3, 5 and 6 for ``gradckpt.engine.segments.checkpoint_segments``, which
+plans with segments longer than one block (sqrt, optimal) rely on: bit-identical training with
+disjoint and nested segments, exactly the segment inputs kept through the forward pass, nothing
+installed without grad, and clear errors for segments that cannot work.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from hf_models import tiny_llama
 from torch import nn
 
 from gradckpt import UsageError
+from gradckpt.engine import checkpoint_segments
 from gradckpt.measure import MemoryMeter
 from gradckpt.models import GPTConfig, TinyGPT
-from gradckpt.segments import checkpoint_segments
 
 LAYERS = 6
 CONFIG = GPTConfig(n_layer=LAYERS, n_embd=32, n_head=2, block_size=16, dropout=0.1)

@@ -1,4 +1,5 @@
-"""``gradckpt.step_timer.BlockForwardTimer``: which calls it times, and that it leaves no hooks."""
+"""``gradckpt.measure.timing.BlockForwardTimer``: which calls it times, and that it leaves no
+hooks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from gradckpt.step_timer import BlockForwardTimer
+from gradckpt.measure.timing import BlockForwardTimer
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,6 @@ for backward, whether to keep it, recompute it or offload it. See DESIGN.md for 
 """
 
 from .apply import apply, disable
-from .blocks import find_blocks
 from .enable import enable
 from .engine import (
     checkpoint,
@@ -15,9 +14,9 @@ from .engine import (
     uncheckpoint_module,
 )
 from .errors import BudgetError, CheckpointError, GradckptError, UsageError
+from .measure import find_blocks, profile
 from .plan import Plan
 from .policies import Fate, offload_matmuls, save_matmuls
-from .profile import profile
 from .profile_types import BlockProfile, Profile
 from .solvers import solve
 

@@ -1,10 +1,10 @@
 """Installing a plan on a model, and taking it off again.
 
 ``apply(model, plan)`` finds the plan's blocks in the model by name and checkpoints the plan's
-segments (nested ones included) with ``gradckpt.segments.checkpoint_segments``: hooks on the
-blocks, and Hugging Face key/value caches off (``gradckpt.caches``), nothing else. The caches go
-off for the plan "none" too: ``profile`` measured the step with them off (a T5 training step
-holds 1.7% more with them on), so the model runs as predicted. Parameters,
+segments (nested ones included) with ``gradckpt.engine.segments.checkpoint_segments``: hooks
+on the blocks, and Hugging Face key/value caches off (``gradckpt.caches``), nothing else. The
+caches go off for the plan "none" too: ``profile`` measured the step with them off (a T5
+training step holds 1.7% more with them on), so the model runs as predicted. Parameters,
 their names, ``state_dict`` keys and outputs do not change. ``disable(model)`` removes the hooks
 and turns the caches back on: the model runs exactly as before.
 """
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .blocks import resolve_blocks
 from .caches import turn_caches_off
+from .engine import SegmentsHandle, checkpoint_segments
 from .errors import UsageError
+from .measure import resolve_blocks
 from .plan import Plan, Segment
-from .segments import SegmentsHandle, checkpoint_segments
 
 __all__ = ["apply", "disable"]
 

@@ -14,9 +14,8 @@ from torch import nn
 
 from .apply import apply
 from .budget import parse_budget
-from .measure import infer_device
+from .measure import infer_device, profile
 from .plan import Plan
-from .profile import profile
 from .solvers import solve
 
 __all__ = ["enable"]

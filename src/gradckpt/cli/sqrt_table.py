@@ -100,9 +100,9 @@ def _measured_memory(
     import torch
 
     import gradckpt
+    from gradckpt.cost import simulate
     from gradckpt.measure import measure_peak_bytes
     from gradckpt.models import mlp_chain
-    from gradckpt.cost import simulate
 
     torch.manual_seed(seed)
     chain = mlp_chain(depth, size.chain_width)

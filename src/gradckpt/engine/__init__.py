@@ -40,18 +40,29 @@ R5. Recomputation raises ``_RecomputationComplete`` the moment the last slot is 
     skips the rest of the region (invariant 6).
 """
 
-# The underscore names are what gradckpt.segments and gradckpt.profile use of the engine's
-# insides, until the engine gives them a public internal interface (issue 13).
-from .debug import _debug_state, debug_mode  # noqa: F401
+from .debug import debug_mode
 from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
-from .policy_mode import _PolicyMode  # noqa: F401
-from .region import _Region, _unpack, checkpoint  # noqa: F401
-from .tensors import _detached_like, _first_tensor, _storage_key  # noqa: F401
+from .region import checkpoint
+
+# Internal interface for gradckpt's own stages (not the user API): what apply installs plans
+# with and what measuring shares with the engine, so that it records a block's call and tells
+# tensors apart exactly as the engine does. Later stages import these from here, never the
+# engine's underscore names, so that the engine's insides can change without them.
+from .segments import SegmentsHandle, checkpoint_segments, continues_chain
+from .tensors import detached_like, first_tensor, storage_key
 
 __all__ = [
+    # the user API (re-exported by gradckpt)
     "checkpoint",
     "checkpoint_module",
     "uncheckpoint_module",
     "is_checkpointed",
     "debug_mode",
+    # internal interface for gradckpt's own stages
+    "checkpoint_segments",
+    "SegmentsHandle",
+    "continues_chain",
+    "detached_like",
+    "first_tensor",
+    "storage_key",
 ]

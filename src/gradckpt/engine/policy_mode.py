@@ -17,10 +17,10 @@ from .offload import _Offloaded
 from .tensors import (
     _alias_sharing_version,
     _engine_internal,
-    _first_tensor,
     _internal_work,
-    _storage_key,
     _version_of,
+    first_tensor,
+    storage_key,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class _PolicyMode(TorchDispatchMode):
 
     def record(self, func: torch._ops.OpOverload, output: Any) -> None:
         region = self.region
-        first = _first_tensor(output)
+        first = first_tensor(output)
         fate = Fate.RECOMPUTE if first is None else region.policy(func, first)
         if not isinstance(fate, Fate):
             raise UsageError(
@@ -179,15 +179,15 @@ class _PolicyMode(TorchDispatchMode):
         region.op_records.append(record)
         if fate is not Fate.RECOMPUTE:
             for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and _storage_key(tensor) is not None:
-                    self.watched.setdefault(_storage_key(tensor), []).append(record)
+                if isinstance(tensor, torch.Tensor) and storage_key(tensor) is not None:
+                    self.watched.setdefault(storage_key(tensor), []).append(record)
 
     def protect_inputs(self, args: tuple, kwargs: dict) -> None:
         # Over-approximates "the mutated arguments" by all tensor arguments: a needless copy in a
         # rare case is cheaper than reading every schema's alias annotations on every call.
         for tensor in tree_flatten((args, kwargs))[0]:
             if isinstance(tensor, torch.Tensor):
-                for record in self.watched.pop(_storage_key(tensor), ()):
+                for record in self.watched.pop(storage_key(tensor), ()):
                     record.protect_from_mutation()
 
     def replay(self, func, args, kwargs):  # noqa: ANN001

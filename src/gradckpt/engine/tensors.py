@@ -54,18 +54,18 @@ def _describe(metadata: tuple[torch.Size, torch.dtype, torch.device]) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
 
 
-def _first_tensor(tree: Any) -> torch.Tensor | None:
+def first_tensor(tree: Any) -> torch.Tensor | None:
     """The first tensor in a (possibly nested) output: an op's primary output, a block's hidden
     state."""
     return next((leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)), None)
 
 
-def _detached_like(tensor: torch.Tensor) -> torch.Tensor:
+def detached_like(tensor: torch.Tensor) -> torch.Tensor:
     """A detached alias that requires grad exactly when the original does."""
     return tensor.detach().requires_grad_(tensor.requires_grad)
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
+def storage_key(tensor: torch.Tensor) -> int | None:
     """What identifies the memory a tensor uses: its storage (views and aliases share it).
 
     The storage object itself, not its data pointer: fake and meta tensors have storages but no

@@ -1,12 +1,14 @@
-"""Measuring: memory with one meter, on CPU and CUDA, for everything gradckpt measures.
+"""Measuring: model + sample -> ``Profile``, and the tools every measurement shares.
 
+- ``profile``: one real training step of the model, and each block of its chain on its own
+  (``profile.py`` assembles what the package's other modules measure).
+- ``find_blocks`` / ``resolve_blocks``: the chain of blocks checkpointing works on.
 - ``MemoryMeter``: bytes allocated on a device now and at their highest (the caching allocator
   on CUDA, MemTracker on CPU, models with frozen parameters included); ``measure_peak_bytes``
   runs one step under it. ``profile``, the tests and ``bench/`` all measure with it.
 - ``infer_device``: the device a model, optimizer or batch lives on.
-
-Time is never measured here: ``profile`` times blocks in the step (``gradckpt.step_timer``),
-and ``bench/`` compares step times side by side.
+- ``run_model``, ``loss_of``, ``training_step``: the user's step (how the model is called on a
+  sample, its loss, what stays alive until backward ends).
 
 Example:
     >>> import torch
@@ -18,7 +20,20 @@ Example:
     True
 """
 
+from .blocks import find_blocks, resolve_blocks
 from .device import infer_device
 from .meter import MemoryMeter, measure_peak_bytes
+from .profile import profile
+from .step import loss_of, run_model, training_step
 
-__all__ = ["MemoryMeter", "measure_peak_bytes", "infer_device"]
+__all__ = [
+    "profile",
+    "find_blocks",
+    "resolve_blocks",
+    "MemoryMeter",
+    "measure_peak_bytes",
+    "infer_device",
+    "run_model",
+    "loss_of",
+    "training_step",
+]

@@ -32,9 +32,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .engine import _debug_state, _detached_like, _first_tensor, _PolicyMode, _Region, _unpack
-from .errors import UsageError
-from .policies import PolicyLike, resolve_policy
+from ..errors import UsageError
+from ..policies import PolicyLike, resolve_policy
+from .debug import _debug_state
+from .policy_mode import _PolicyMode
+from .region import _Region, _unpack
+from .tensors import detached_like, first_tensor
 
 __all__ = ["checkpoint_segments", "SegmentsHandle"]
 
@@ -65,7 +68,7 @@ def continues_chain(args: tuple, kwargs: dict, previous_output: Any) -> bool:
         >>> continues_chain((x,), {}, x), continues_chain((memory,), {"context": x}, x)
         (True, False)
     """
-    return previous_output is not None and _first_tensor((args, kwargs)) is previous_output
+    return previous_output is not None and first_tensor((args, kwargs)) is previous_output
 
 
 class _CallRecord:
@@ -79,7 +82,7 @@ class _CallRecord:
         # The other tensors (masks, position embeddings, ...) exist outside the blocks anyway;
         # detached, so recomputation builds a graph of its own, with the same requires_grad.
         self.leaves = [
-            None if i in self.holes else _detached_like(leaf) if isinstance(leaf, torch.Tensor)
+            None if i in self.holes else detached_like(leaf) if isinstance(leaf, torch.Tensor)
             else leaf
             for i, leaf in enumerate(leaves)
         ]
@@ -164,7 +167,7 @@ class SegmentsHandle:
             return
         for run in self.runs.values():
             if run.segment.start <= index <= run.segment.end:
-                run.last_output = _first_tensor(output)
+                run.last_output = first_tensor(output)
         for segment in self.closing[index]:
             run = self.runs.pop(segment, None)
             if run is not None:
@@ -226,7 +229,7 @@ class SegmentsHandle:
             for record, block in zip(
                 run.records, self.blocks[segment.start + 1 : segment.end + 1], strict=True
             ):
-                block_args, block_kwargs = record.call_with(_first_tensor(output))
+                block_args, block_kwargs = record.call_with(first_tensor(output))
                 output = block(*block_args, **block_kwargs)
             return output
         finally:
@@ -250,7 +253,7 @@ def checkpoint_segments(
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.segments import checkpoint_segments
+        >>> from gradckpt.engine import checkpoint_segments
         >>> chain = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
         >>> handle = checkpoint_segments(list(chain), [(0, 1), (2, 3)])
         >>> chain(torch.randn(2, 8, requires_grad=True)).sum().backward()

@@ -35,7 +35,7 @@ which ``resolve_blocks`` checks and turns into ``(name, module)`` pairs.
 
 Example:
     >>> import torch
-    >>> from gradckpt.blocks import find_blocks
+    >>> from gradckpt.measure import find_blocks
     >>> from gradckpt.models import GPTConfig, TinyGPT
     >>> model = TinyGPT(GPTConfig(n_layer=3, n_embd=32, n_head=2))
     >>> [name for name, _ in find_blocks(model)]
@@ -52,9 +52,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .caches import caches_off
-from .errors import UsageError
+from ..caches import caches_off
+from ..errors import UsageError
 from .model_state import buffers_and_rng_preserved
+from .step import run_model
 
 __all__ = ["find_blocks", "resolve_blocks"]
 
@@ -317,8 +318,6 @@ def _in_run_order(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], sample: Any
 ) -> list[tuple[str, nn.Module]]:
     """``blocks`` sorted by when each first ran in one forward pass of ``model`` on ``sample``."""
-    from .profile import run_model  # profile imports this module: import it only when needed
-
     first_call: dict[int, int] = {}  # block index -> how many blocks had run before it
 
     def note(index: int, _module: nn.Module, _args: tuple) -> None:

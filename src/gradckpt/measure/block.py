@@ -1,0 +1,178 @@
+"""Measuring one block on its own, re-run from its call in the step: the bytes its graph saves,
+the peaks of its forward and backward (plain, checkpointed, under the planned policy), and its
+times as multiples of its forward (``timing.py`` pools those over identical blocks)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import checkpoint, first_tensor, storage_key
+from ..errors import UsageError
+from ..policies import PLANNED_POLICY
+from ..profile_types import BlockProfile
+from .meter import MemoryMeter
+from .operations import operations_of
+from .recording import BlockCall
+from .tensors import tensor_bytes, tensors_in
+from .timing import TimeRatios, interleaved_seconds
+
+__all__ = ["measure_block"]
+
+
+def measure_block(
+    name: str, block: nn.Module, call: BlockCall, repeats: int, device: torch.device,
+    gradient_bytes: int, forward_in_step: float | None, side_inputs: dict[int, int],
+) -> tuple[BlockProfile, dict[int, int], TimeRatios]:
+    """Everything ``BlockProfile`` holds about one block but its side inputs' fields
+    (``with_side_inputs`` fills those for the chain), re-run on its own from its call in the
+    step, and which of ``side_inputs`` (its arguments besides the hidden state) its graph
+    saves: those count once for the chain, not in its ``saved_bytes``.
+
+    Its backward and extra times are multiples of its forward timed in the same rounds (the
+    ``TimeRatios`` returned, which ``profile`` pools over identical blocks) times its forward
+    timed in the step (``forward_in_step``; its forward alone when that is None)."""
+    parameter_storages = {storage_key(p) for p in block.parameters()}
+    parameter_storages |= {storage_key(b) for b in block.buffers()}
+
+    # Its gradients start as None, as in a training step: the steps profile ran before left
+    # them allocated, and a backward accumulating into them would not count the new ones (an
+    # MLP weight's gradient was missing from the peak of a Llama layer's backward).
+    block.zero_grad(set_to_none=True)
+    args, kwargs, hidden = call.fresh()
+    saved: dict[int, int] = {}  # storage -> bytes, each storage once
+
+    def remember(tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key not in parameter_storages:
+            saved[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with MemoryMeter(device, block, *tensors_in((args, kwargs))) as memory:
+        # Each pass's peak above what exists when it starts, frees of older tensors counted:
+        # its forward's above its input; its backward's above what the forward saved and the
+        # incoming gradient (it frees the saved tensors as it goes).
+        start = memory.current()
+        with torch.autograd.graph.saved_tensors_hooks(remember, lambda tensor: tensor):
+            output = block(*args, **kwargs)
+        forward_peak = memory.peak() - start
+        chain_output = _block_output(output)
+        gradient = torch.ones_like(chain_output)
+        start = memory.current()
+        memory.reset_peak()
+        chain_output.backward(gradient)
+        backward_peak = memory.peak() - start
+    input_saved = storage_key(hidden) in saved
+    output_saved = storage_key(chain_output) in saved
+    saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
+    block.zero_grad(set_to_none=True)
+
+    def forward_only() -> Any:
+        a, k, _ = call.fresh()
+        return block(*a, **k)
+
+    def forward_and_backward() -> None:
+        out = _block_output(forward_only())
+        out.backward(torch.ones_like(out))
+
+    # Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats`` rounds:
+    # each time is kept as a multiple of the forward timed in the same round, moments apart (a
+    # shared machine's pace drifts by 10-20% over seconds), then put at the step's pace by the
+    # forward timed inside the step, where the step's own time was taken.
+    forward_times, backward, checkpointed, policy = interleaved_seconds(
+        [forward_only, forward_and_backward, _checkpointed_step(block, call, None),
+         _checkpointed_step(block, call, PLANNED_POLICY)],
+        repeats, device,
+    )
+    forward_seconds = (statistics.median(forward_times) if forward_in_step is None
+                       else forward_in_step)
+
+    ratios = TimeRatios.of(forward_times, backward, checkpointed, policy)
+    block.zero_grad(set_to_none=True)
+    operations = operations_of(block, call, side_inputs)
+    checkpointed_forward_peak, checkpointed_backward_peak = _checkpointed_peaks(
+        block, call, device, policy=None
+    )
+    policy_forward_peak, policy_backward_peak = _checkpointed_peaks(
+        block, call, device, policy=PLANNED_POLICY
+    )
+    return BlockProfile(
+        name=name,
+        input_bytes=tensor_bytes(hidden),
+        output_bytes=tensor_bytes(chain_output),
+        saved_bytes=sum(saved.values()),
+        input_saved=input_saved,
+        output_saved=output_saved,
+        forward_seconds=forward_seconds,
+        backward_seconds=ratios.median("backward") * forward_seconds,
+        forward_peak_bytes=forward_peak,
+        backward_peak_bytes=backward_peak,
+        matmul_bytes=operations.matmul_bytes,
+        matmul_seconds=operations.matmul_share * forward_seconds,
+        saved_bytes_by_op=operations.saved_bytes,
+        forward_seconds_by_op={
+            name: share * forward_seconds for name, share in operations.time_share.items()
+        },
+        gradient_bytes=gradient_bytes,
+        policy_forward_peak_bytes=policy_forward_peak,
+        policy_backward_peak_bytes=policy_backward_peak,
+        policy_extra_seconds=ratios.median("policy") * forward_seconds,
+        checkpointed_forward_peak_bytes=checkpointed_forward_peak,
+        checkpointed_backward_peak_bytes=checkpointed_backward_peak,
+        checkpointed_extra_seconds=ratios.median("checkpointed") * forward_seconds,
+    ), saved_sides, ratios
+
+
+def _checkpointed_peaks(
+    block: nn.Module, call: BlockCall, device: torch.device, policy: str | None
+) -> tuple[int, int]:
+    """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
+    segment: its forward's peak above its input, and its backward's peak (the recomputation
+    included) above what exists when that starts.
+
+    Measured rather than derived: what the recomputation holds and frees early (kept outputs
+    backward does not save, under a policy) depends on the block's code, and a checkpointed
+    forward, which saves nothing, peaks far below the plain one.
+    """
+    # The forward runs inside the tracker too: the recomputation frees kept outputs that
+    # backward does not save, and a tracker only sees the frees of tensors it knows.
+    with MemoryMeter(device, block, *tensors_in(call.leaves)) as memory:
+        args, kwargs, _ = call.fresh()
+        start = memory.current()
+        memory.reset_peak()
+        output = _block_output(checkpoint(block, *args, policy=policy, **kwargs))
+        forward_peak = memory.peak() - start
+        gradient = torch.ones_like(output)
+        start = memory.current()
+        memory.reset_peak()
+        output.backward(gradient)
+        backward_peak = memory.peak() - start
+        del args, kwargs
+    del output, gradient
+    block.zero_grad(set_to_none=True)
+    return forward_peak, backward_peak
+
+
+def _checkpointed_step(
+    block: nn.Module, call: BlockCall, policy: str | None
+) -> Callable[[], None]:
+    """The block's forward and backward, checkpointed on its own under ``policy`` (engine,
+    recomputation and the policy's per-operation dispatch included)."""
+
+    def forward_and_backward() -> None:
+        args, kwargs, _ = call.fresh()
+        out = _block_output(checkpoint(block, *args, policy=policy, **kwargs))
+        out.backward(torch.ones_like(out))
+
+    return forward_and_backward
+
+
+def _block_output(output: Any) -> torch.Tensor:
+    tensor = first_tensor(output)
+    if tensor is None:
+        raise UsageError("a block returned no tensor: it cannot be part of a chain")
+    return tensor

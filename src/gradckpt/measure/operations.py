@@ -1,0 +1,89 @@
+"""A block's forward pass by ATen operation: the share of time each operation takes, the bytes
+saved for backward by the operation that made them, and the outputs of its matrix multiplies
+and attention kernels (what ``policy="save-matmuls"`` keeps)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..engine import storage_key
+from ..policies import is_matmul_or_attention
+from .recording import BlockCall
+from .tensors import tensor_bytes
+
+__all__ = ["Operations", "operations_of"]
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times every ATen operation, by operation, and remembers which made each storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: dict[str, float] = {}
+        self.matmul_bytes = 0
+        self.matmul_seconds = 0.0
+        self.producer: dict[int, str] = {}  # storage -> the operation that made it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        start = time.perf_counter()
+        output = func(*args, **(kwargs or {}))
+        elapsed = time.perf_counter() - start
+        name = str(func.overloadpacket)
+        self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        for tensor in outputs:
+            key = storage_key(tensor)
+            if self.producer.get(key, "").startswith("aten.empty"):
+                self.producer[key] = name  # the first to write it (dropout's bernoulli_)
+            else:
+                self.producer.setdefault(key, name)
+        if is_matmul_or_attention(func):
+            self.matmul_bytes += sum(tensor_bytes(t) for t in outputs)
+            self.matmul_seconds += elapsed
+        return output
+
+
+@dataclass
+class Operations:
+    """A block's forward pass by ATen operation (what op-level choices weigh)."""
+
+    matmul_bytes: int  # outputs of matrix multiplies and attention kernels
+    matmul_share: float  # their share of the forward time
+    saved_bytes: dict[str, int]  # bytes saved for backward, by the operation that made them
+    time_share: dict[str, float]  # share of the forward time, by operation
+
+
+def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]) -> Operations:
+    """Run the block's forward once more, timing and attributing each operation (saved side
+    inputs left out, as from ``saved_bytes``)."""
+    args, kwargs, hidden = call.fresh()
+    excluded = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
+    excluded |= set(side_inputs)
+    saved: dict[int, int] = {}
+
+    def remember(tensor: torch.Tensor) -> torch.Tensor:
+        if storage_key(tensor) not in excluded:
+            saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    # With grad, as in training: kernels can differ without it.
+    with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t), _OpTimer() as timer:
+        block(*args, **kwargs)
+    total = sum(timer.seconds.values())
+    saved_by_op: dict[str, int] = {}
+    for key, nbytes in saved.items():
+        name = "input" if key == storage_key(hidden) else timer.producer.get(key, "other input")
+        saved_by_op[name] = saved_by_op.get(name, 0) + nbytes
+    by_time = sorted(timer.seconds.items(), key=lambda item: -item[1])
+    return Operations(
+        matmul_bytes=timer.matmul_bytes,
+        matmul_share=timer.matmul_seconds / total if total else 0.0,
+        saved_bytes=dict(sorted(saved_by_op.items(), key=lambda item: -item[1])),
+        time_share={name: seconds / total for name, seconds in by_time} if total else {},
+    )

@@ -1,0 +1,256 @@
+"""Measuring a model: one real training step, and each block of its chain on its own.
+
+``profile(model, sample)`` runs a warm-up step and a few measured steps of the model as it is
+(no checkpointing) and records what ``Profile`` holds:
+
+- the step's peak memory (MemTracker's "Total" on CPU, ``max_memory_allocated`` on CUDA) and
+  its median time;
+- per block, from the block's real inputs in that step, re-run on its own: input and output
+  bytes; the bytes its autograd graph keeps (the distinct storages of the tensors it saves for
+  backward, parameters excluded, its input included when saved; side inputs such as an
+  encoder's output counted once for the chain); the transient memory of its forward and
+  backward pass (MemTracker / the CUDA allocator, above what existed before); its forward and
+  backward time and what checkpointing it adds (its forward timed inside the measured steps;
+  the others as multiples of its forward timed in the same rounds on its own, pooled over
+  identical blocks); and the outputs and share of forward time of its matrix multiplies and
+  attention kernels (what ``policy="save-matmuls"`` keeps).
+
+``fixed_bytes`` is then whatever of the measured peak the chain model (``gradckpt.cost``) does not
+explain: parameters, gradients, embeddings, logits. The model's parameters, gradients, buffers
+and the RNG state are as they were before profiling.
+
+This module runs the steps in order and assembles the ``Profile``; the measuring itself is in
+its siblings: ``recording.py`` (each block's call in the step), ``timing.py`` (the step's and
+the blocks' times), ``step_memory.py`` (the step's memory, phase by phase), ``block.py`` (one
+block on its own; ``operations.py`` for its operations) and ``side_inputs.py`` (side inputs
+counted once for the chain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..caches import caches_off
+from ..engine import storage_key
+from ..errors import UsageError
+from ..profile_types import BlockProfile, Profile
+from .block import measure_block
+from .blocks import resolve_blocks
+from .device import infer_device
+from .model_state import buffers_and_rng_preserved, gradients_preserved
+from .recording import record_block_calls
+from .side_inputs import with_side_inputs
+from .step import training_step
+from .step_memory import StepMemory
+from .tensors import tensor_bytes, tensors_in
+from .timing import BlockForwardTimer, block_kind, median_seconds, pooled_times
+
+__all__ = ["profile"]
+
+
+def profile(
+    model: nn.Module,
+    sample: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    blocks: Any = None,
+    *,
+    keep_output: bool = True,
+    repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> Profile:
+    """Measure one training step of ``model`` on ``sample`` and each block of its chain.
+
+    Args:
+        model: the model, as it will be trained (its device, dtype, train/eval mode).
+        sample: one batch: a tensor, a tuple of positional arguments or a dict of keywords.
+        loss_fn: turns the output into the loss; default ``output.loss`` or ``output.sum()``.
+        blocks: the chain (default: ``gradckpt.find_blocks(model)``, put in the order the
+            blocks run on ``sample``); see ``resolve_blocks``. Given explicitly, it must be in
+            that order.
+        keep_output: the step holds the model's output until backward ends, as
+            ``out = model(**batch); out.loss.backward()`` does (for a language model the
+            logits stay alive). ``False`` for loops that drop it before backward, such as the
+            Hugging Face Trainer's; see ``gradckpt.measure.step``.
+        repeats: measured repetitions for every time (the median is kept).
+        progress: called as ``progress(done, total)`` after each of the ``total`` steps of
+            profiling (the CLI draws a bar with it; ``gradckpt.cli.progress.progress_bar``
+            makes one). ``None``: nothing is reported.
+
+    Hugging Face key/value caches are off while it measures (``gradckpt.caches``), as they
+    are while a plan is applied.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.models import GPTConfig, TinyGPT
+        >>> model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+        >>> idx = torch.randint(0, 512, (2, 16))
+        >>> measured = gradckpt.profile(model, {"idx": idx, "targets": idx}, repeats=1)
+        >>> [block.name for block in measured.blocks]
+        ['transformer.h.0', 'transformer.h.1']
+        >>> measured.blocks[0].input_bytes == 2 * 16 * 32 * 4
+        True
+    """
+    named_blocks = resolve_blocks(model, blocks)
+    if not isinstance(keep_output, bool):
+        raise UsageError(
+            f"keep_output must be True (the loop holds the model's output until backward ends, "
+            f"the default) or False (it drops it first, as the Hugging Face Trainer does); got "
+            f"{keep_output!r}"
+        )
+    if repeats < 1:
+        raise UsageError(f"repeats must be at least 1, got {repeats}")
+    report = _progress_callback(progress)
+    device = infer_device(model)
+    modules = [m for _, m in named_blocks]
+    steps = 1 + repeats + 1 + len(modules)  # warm-up, timed steps, memory step, each block
+    with (
+        gradients_preserved(model),
+        buffers_and_rng_preserved(model),
+        caches_off(model),
+    ):
+        done = 0
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            report(done, steps)
+
+        recording = record_block_calls(model, sample, loss_fn, modules)
+        if recording.order != list(range(len(modules))):
+            ran = [named_blocks[index][0] for index in recording.order]
+            if blocks is not None:
+                raise UsageError(
+                    f"blocks= must list the blocks in the order they run; on this sample they "
+                    f"ran as {ran}"
+                )
+            # Found by structure (stacks in the order they were created: CLIP makes its text
+            # tower first and runs its vision tower first); the cost model needs run order.
+            named_blocks = [named_blocks[index] for index in recording.order]
+            modules = [module for _, module in named_blocks]
+        calls = [recording.calls[index] for index in recording.order]
+        chain_breaks = recording.chain_breaks()
+
+        def step() -> None:
+            # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
+            model.zero_grad(set_to_none=True)
+            training_step(model, sample, loss_fn, keep_output)
+            advance()
+
+        step()  # warm-up: lazy initialisations, allocator caches
+        with BlockForwardTimer(modules, device) as timer:
+
+            def timed_step() -> None:
+                timer.begin_step()
+                step()
+                timer.end_step()
+
+            step_seconds = median_seconds(timed_step, repeats, device)
+        in_step_forward = timer.median_seconds()
+        memory = StepMemory(modules[0], modules[-1], device)
+        model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
+        memory.measure(step, model, *tensors_in(sample))
+        measured = []
+        saved_side_inputs = []
+        time_ratios = []
+        model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        for (name, module), call, gradient_bytes, forward_in_step in zip(
+            named_blocks, calls, _gradient_bytes(modules), in_step_forward, strict=True
+        ):
+            block, saved_sides, ratios = measure_block(
+                name, module, call, repeats, device, gradient_bytes, forward_in_step,
+                call.side_storages(model_storages),
+            )
+            measured.append(block)
+            saved_side_inputs.append(saved_sides)
+            time_ratios.append(ratios)
+            advance()
+    kinds = [block_kind(module, call) for module, call in zip(modules, calls, strict=True)]
+    measured = pooled_times(measured, time_ratios, kinds)
+    measured, output_held_bytes = with_side_inputs(
+        measured, recording, chain_breaks, model_storages, saved_side_inputs,
+        {storage_key(tensor) for tensor in tensors_in(sample)},
+        recording.output_storages if keep_output else set(),
+    )
+    between = recording.gradients_made_after()
+    return _assemble(
+        measured, memory, step_seconds, device, chain_breaks,
+        sum(between[1:]) + output_held_bytes,
+    )
+
+
+def _progress_callback(progress: Any) -> Callable[[int, int], None]:
+    """``progress`` as a callable; ``None`` and ``False`` (the old "no bar") report nothing."""
+    if progress is None or progress is False:
+        return lambda done, total: None
+    if not callable(progress):
+        raise UsageError(
+            f"progress must be a callable taking (done, total), or None; got {progress!r}. "
+            "For a bar on stderr: with gradckpt.cli.progress.progress_bar('profiling') as bar: "
+            "gradckpt.profile(..., progress=bar)"
+        )
+    return progress
+
+
+def _assemble(
+    blocks: list[BlockProfile], memory: StepMemory, step_seconds: float, device: torch.device,
+    chain_breaks: list[int], counted_by_blocks_bytes: int = 0,
+) -> Profile:
+    """The profile, with the step's phases expressed the way ``gradckpt.cost`` models them.
+    ``counted_by_blocks_bytes``: what is alive when the chain's backward ends that the blocks'
+    ``side_gradient_bytes`` count already, not the head's: gradients made inside the chain's
+    backward outside its blocks, and side inputs the step's output holds."""
+    fixed = memory.start
+    measured = Profile(
+        blocks,
+        peak_bytes=memory.peak,
+        fixed_bytes=fixed,
+        step_seconds=step_seconds,
+        device=str(device),
+        other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
+        chain_breaks=chain_breaks,
+    )
+    retained = measured.plain_retained_bytes()
+    measured.head_bytes = max(0, memory.highest["head"] - fixed - retained)
+    measured.head_gradient_bytes = _head_leftovers(
+        blocks, memory, fixed, retained, counted_by_blocks_bytes
+    )
+    measured.notes["chain_backward_start_bytes"] = memory.chain_backward_start
+    measured.notes["measured_phase_peaks"] = dict(memory.highest)
+    return measured
+
+
+def _head_leftovers(
+    blocks: list[BlockProfile], memory: StepMemory, fixed: int, retained: int,
+    counted_by_blocks_bytes: int,
+) -> int:
+    """What stays allocated through the chain's backward besides the chain's own tensors: the
+    head's parameter gradients, what the part before the chain saved (its dropout mask), and
+    what the step's output holds (the logits, unless ``keep_output=False``).
+
+    Read when the chain's backward ends, less the blocks' gradients and the input's gradient:
+    at its start, scalars of the loss's backward still exist that die before any block runs.
+    Without that hook (a chain input that needs no gradient) the start is all there is.
+    """
+    if memory.chain_backward_end:
+        made_by_chain = (sum(block.gradient_bytes for block in blocks) + blocks[0].input_bytes
+                         + counted_by_blocks_bytes)
+        return max(0, memory.chain_backward_end - fixed - made_by_chain)
+    return max(0, memory.chain_backward_start - fixed - retained - blocks[-1].output_bytes)
+
+
+def _gradient_bytes(blocks: list[nn.Module]) -> list[int]:
+    """Per block, the bytes of its trainable parameters' gradients (a parameter shared by
+    several blocks counts in the last: its gradient appears in the first backward)."""
+    owner = {}
+    for index, block in enumerate(blocks):
+        for parameter in block.parameters():
+            if parameter.requires_grad:
+                owner[parameter] = index
+    sizes = [0] * len(blocks)
+    for parameter, index in owner.items():
+        sizes[index] += tensor_bytes(parameter)
+    return sizes

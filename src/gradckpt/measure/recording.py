@@ -1,0 +1,195 @@
+"""Recording each block's call in one training step: its arguments, its output, the order the
+blocks ran in, and what the step kept outside them.
+
+``profile`` re-runs each block on its own from the call recorded here; ``estimate`` will predict
+from the same recording. So this module only watches one plain step: it neither times nor
+meters memory (``timing.py``, ``meter.py``), and leaves nothing installed on the model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..engine import continues_chain, detached_like, first_tensor, storage_key
+from ..errors import UsageError
+from .step import loss_of, run_model
+from .tensors import tensor_bytes
+
+__all__ = ["BlockCall", "Recording", "record_block_calls"]
+
+
+class BlockCall:
+    """A block's arguments in the step, detached, and which leaf is the hidden state."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        leaves, self.spec = tree_flatten((args, kwargs))
+        self.leaves = [
+            detached_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+            for leaf in leaves
+        ]
+        tensors = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
+        if not tensors:
+            raise UsageError("a block was called without a tensor argument: not a chain block")
+        self.hidden = tensors[0]  # the chain's hidden state comes first (x = block(x, ...))
+
+    def side_storages(self, excluded: set) -> dict[int, int]:
+        """The storages of its other tensor arguments (masks, an encoder's output, rotary
+        cos/sin), less ``excluded`` (the model's parameters and buffers), with their bytes."""
+        hidden = storage_key(self.leaves[self.hidden])
+        return {
+            storage_key(leaf): leaf.untyped_storage().nbytes()
+            for leaf in self.leaves
+            if isinstance(leaf, torch.Tensor)
+            and storage_key(leaf) not in excluded and storage_key(leaf) != hidden
+        }
+
+    def side_gradients(self, excluded: set) -> dict[int, int]:
+        """Of those, the ones that need a gradient, with its bytes."""
+        sides = self.side_storages(excluded)
+        return {
+            storage_key(leaf): tensor_bytes(leaf)
+            for leaf in self.leaves
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+            and storage_key(leaf) in sides
+        }
+
+    def fresh(self) -> tuple[tuple, dict, torch.Tensor]:
+        """The arguments with a fresh copy of the hidden state (so memory measures are clean)."""
+        leaves = list(self.leaves)
+        original = leaves[self.hidden]
+        hidden = original.detach().clone().requires_grad_(original.requires_grad)
+        leaves[self.hidden] = hidden
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return args, kwargs, hidden
+
+
+@dataclass
+class Recording:
+    """What one step showed about the blocks: each one's first call (its arguments, and the
+    output it returned), in the order the blocks first ran."""
+
+    calls: dict[int, BlockCall]
+    arguments: dict[int, tuple[tuple, dict]]  # each first call's (args, kwargs)
+    outputs: dict[int, torch.Tensor | None]
+    order: list[int]
+    # What the graph saved outside the blocks after block i ended (storage -> bytes), until
+    # the next block started: an encoder's final norm, a decoder's embedding.
+    saved_after: dict[int, dict[int, int]] = field(default_factory=dict)
+    running: int = 0  # blocks running now (0: between blocks)
+    last_ended: int | None = None
+    # In backward: the block whose input's gradient came last (its backward is done), and the
+    # gradients of parameters outside the blocks first made after block i's backward (a
+    # decoder's embedding, between decoder and encoder).
+    backward_done: int | None = None
+    gradients_after: dict[int, int] = field(default_factory=dict)
+    # The storages of the other tensors each block returned (T5's first block returns the
+    # position bias the others take).
+    returned: dict[int, set] = field(default_factory=dict)
+    # The storages of the tensors in the model's output (logits, an encoder's last hidden state).
+    output_storages: set = field(default_factory=set)
+
+    def gradients_made_after(self) -> list[int]:
+        """Per position in ``order``, the bytes of ``gradients_after`` its block's backward."""
+        return [self.gradients_after.get(index, 0) for index in self.order]
+
+    def chain_breaks(self) -> list[int]:
+        """Positions in ``order`` whose block did not take the previous one's output as its
+        hidden state (the test ``gradckpt.engine.segments`` applies)."""
+        return [
+            position for position in range(1, len(self.order))
+            if not continues_chain(*self.arguments[self.order[position]],
+                                   self.outputs.get(self.order[position - 1]))
+        ]
+
+
+def record_block_calls(
+    model: nn.Module, sample: Any, loss_fn: Any, blocks: list[nn.Module]
+) -> Recording:
+    """Run one plain training step (forward, loss, backward) with hooks on ``blocks`` and on
+    the parameters outside them, and return what it showed; the hooks are removed after.
+
+    Raises ``UsageError`` if a block did not run on ``sample``.
+    """
+    recording = Recording({}, {}, {}, [])
+
+    def record(index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        recording.running += 1
+        if index not in recording.calls:  # the first call, if called twice
+            recording.calls[index] = BlockCall(args, kwargs)
+            recording.arguments[index] = (args, kwargs)
+            recording.order.append(index)
+            hidden = first_tensor((args, kwargs))
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(functools.partial(backward_done, index))
+
+    def backward_done(index: int, gradient: torch.Tensor) -> None:
+        recording.backward_done = index
+
+    made: set[nn.Parameter] = set()
+
+    def gradient_made(parameter: nn.Parameter) -> None:
+        if parameter not in made:
+            made.add(parameter)
+            if recording.backward_done is not None:
+                after = recording.gradients_after
+                after[recording.backward_done] = (after.get(recording.backward_done, 0)
+                                                  + tensor_bytes(parameter))
+
+    def record_output(index: int, module: nn.Module, args: tuple, output: Any) -> None:
+        recording.running -= 1
+        recording.last_ended = index
+        recording.outputs.setdefault(index, first_tensor(output))
+        # Besides the hidden state, whose gradient the walk counts as the incoming one.
+        hidden = recording.outputs[index]
+        recording.returned.setdefault(index, {
+            storage_key(leaf) for leaf in tree_flatten(output)[0]
+            if isinstance(leaf, torch.Tensor) and leaf is not hidden
+            and (hidden is None or storage_key(leaf) != storage_key(hidden))
+        })
+
+    def saved_between(tensor: torch.Tensor) -> torch.Tensor:
+        if recording.running == 0 and recording.last_ended is not None:
+            saved = recording.saved_after.setdefault(recording.last_ended, {})
+            saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    hooks = [
+        hook
+        for index, block in enumerate(blocks)
+        for hook in (
+            block.register_forward_pre_hook(functools.partial(record, index), with_kwargs=True),
+            block.register_forward_hook(functools.partial(record_output, index)),
+        )
+    ]
+    in_blocks = {parameter for block in blocks for parameter in block.parameters()}
+    hooks += [
+        parameter.register_post_accumulate_grad_hook(gradient_made)
+        for parameter in model.parameters()
+        if parameter.requires_grad and parameter not in in_blocks
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(saved_between, lambda tensor: tensor):
+            output = run_model(model, sample)
+            loss = loss_of(output, loss_fn)
+        recording.output_storages = {
+            storage_key(leaf) for leaf in tree_flatten(output)[0]
+            if isinstance(leaf, torch.Tensor)
+        }
+        del output
+        loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    missing = [index for index in range(len(blocks)) if index not in recording.calls]
+    if missing:
+        raise UsageError(
+            f"blocks {missing} did not run in the model's forward pass on this sample; pass "
+            "blocks= with the blocks that run, in order"
+        )
+    return recording

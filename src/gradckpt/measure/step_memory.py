@@ -1,0 +1,78 @@
+"""The memory of one plain training step, phase by phase: before the chain, its forward, the
+head, its backward and after it (what ``gradckpt.cost`` models each phase of the step with)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import first_tensor
+from .meter import MemoryMeter
+
+__all__ = ["StepMemory"]
+
+
+class StepMemory:
+    """Memory through one plain step, phase by phase: each phase's peak, and the memory at the
+    start and when the chain's backward starts.
+
+    Phases: "before" the chain, the chain's "forward", the "head" (from the chain's output to
+    its gradient), the chain's "backward", and "after" it (the embedding's backward).
+    """
+
+    def __init__(self, first: nn.Module, last: nn.Module, device: torch.device) -> None:
+        self.first, self.last, self.device = first, last, device
+        self.phase = "before"
+        self.highest: dict[str, int] = dict.fromkeys(
+            ("before", "forward", "head", "backward", "after"), 0
+        )
+        self.start = self.peak = self.chain_backward_start = self.chain_backward_end = 0
+        self._memory: MemoryMeter | None = None
+
+    def measure(self, step: Callable[[], None], *tracked: Any) -> None:
+        hooks = [
+            self.first.register_forward_pre_hook(self._chain_starts, with_kwargs=True),
+            self.last.register_forward_hook(self._chain_ends),
+        ]
+        try:
+            with MemoryMeter(self.device, *tracked) as memory:
+                self._memory = memory
+                self.start = memory.current()
+                step()
+                self._enter(self.phase)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.peak = max(self.highest.values())
+
+    def _enter(self, phase: str) -> None:
+        assert self._memory is not None
+        self.highest[self.phase] = max(self.highest[self.phase], self._memory.peak())
+        self._memory.reset_peak()
+        self.phase = phase
+
+    def _chain_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._enter("forward")
+        hidden = first_tensor((args, kwargs))
+        if hidden is not None and hidden.requires_grad:
+            # the gradient of the chain's input ends the chain's backward
+            hidden.register_hook(self._chain_backward_ends)
+
+    def _chain_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._enter("head")
+        hidden = first_tensor(output)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(self._chain_backward_starts)
+
+    def _chain_backward_starts(self, gradient: torch.Tensor) -> None:
+        self._enter("backward")
+        assert self._memory is not None
+        self.chain_backward_start = self._memory.current()  # the gradient included
+
+    def _chain_backward_ends(self, gradient: torch.Tensor) -> None:
+        self._enter("after")
+        assert self._memory is not None
+        self.chain_backward_end = self._memory.current()  # the input's gradient included

@@ -1,0 +1,31 @@
+"""Small facts about tensors that several measuring modules need: how many bytes a tensor
+holds, and which tensors a sample or a call's arguments contain."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["tensor_bytes", "tensors_in"]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of the tensor's own elements (not of the whole storage a view may share).
+
+    Example:
+        >>> tensor_bytes(torch.zeros(2, 3))
+        24
+    """
+    return tensor.numel() * tensor.element_size()
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of a (possibly nested) tuple, list or dict, in order.
+
+    Example:
+        >>> [t.shape for t in tensors_in(({"x": torch.ones(2)}, 3, [torch.ones(1)]))]
+        [torch.Size([2]), torch.Size([1])]
+    """
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
