@@ -91,3 +91,10 @@ def seq2seq_sample(vocab_size: int = 128, source: int = 24, target: int = 16) ->
         "input_ids": torch.randint(3, vocab_size, (4, source), generator=generator),
         "labels": torch.randint(3, vocab_size, (4, target), generator=generator),
     }
+
+
+def causal_sample(vocab_size: int = 128, batch: int = 2, seq: int = 32) -> dict:
+    """A causal language model's batch as fine-tuning scripts pass it: ids and labels."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids}

@@ -4,6 +4,7 @@ The engine (``checkpoint``, ``checkpoint_module``) decides, for each tensor a re
 for backward, whether to keep it, recompute it or offload it. See DESIGN.md for the pipeline.
 """
 
+from . import integrations  # noqa: F401  (registers the built-in adapters)
 from .apply import apply, disable
 from .enable import enable
 from .engine import (

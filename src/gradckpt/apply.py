@@ -2,11 +2,12 @@
 
 ``apply(model, plan)`` finds the plan's blocks in the model by name and checkpoints the plan's
 segments (nested ones included) with ``gradckpt.engine.segments.checkpoint_segments``: hooks
-on the blocks, and Hugging Face key/value caches off (``gradckpt.caches``), nothing else. The
-caches go off for the plan "none" too: ``profile`` measured the step with them off (a T5
-training step holds 1.7% more with them on), so the model runs as predicted. Parameters,
-their names, ``state_dict`` keys and outputs do not change. ``disable(model)`` removes the hooks
-and turns the caches back on: the model runs exactly as before.
+on the blocks, and the registered adapters run (``gradckpt.adapters``: Hugging Face key/value
+caches off), nothing else. The adapters run for the plan "none" too: ``profile`` measured the
+step adapted (a T5 training step holds 1.7% more with its cache on), so the model runs as
+predicted. Parameters, their names, ``state_dict`` keys and outputs do not change.
+``disable(model)`` removes the hooks and undoes the adapters: the model runs exactly as
+before.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .caches import turn_caches_off
+from .adapters import adapt
 from .engine import SegmentsHandle, checkpoint_segments
 from .errors import UsageError
 from .measure import resolve_blocks
@@ -24,8 +25,8 @@ from .plan import Plan, Segment
 
 __all__ = ["apply", "disable"]
 
-# What apply() installed on each model (the segments' hooks, and how to turn its key/value
-# caches back on), so that disable() and a second apply() can take it off.
+# What apply() installed on each model (the segments' hooks, and how to undo the adapters),
+# so that disable() and a second apply() can take it off.
 _installed: weakref.WeakKeyDictionary[
     nn.Module, tuple[SegmentsHandle | None, Callable[[], None]]
 ] = weakref.WeakKeyDictionary()
@@ -84,9 +85,9 @@ def apply(model: nn.Module, plan: Plan) -> None:
             policies=[s.policy for s in flat],
             names=names,
         )
-    # Recomputed layers would append to a key/value cache twice, and the profile measured
-    # the step without caches (see gradckpt.caches).
-    _installed[model] = (handle, turn_caches_off(model))
+    # As the profile measured the step: recomputed layers would append to a key/value cache
+    # twice, for one (see gradckpt.integrations.hf.turn_caches_off).
+    _installed[model] = (handle, adapt(model))
 
 
 def disable(model: nn.Module) -> None:
@@ -98,10 +99,10 @@ def disable(model: nn.Module) -> None:
     """
     installed = _installed.pop(model, None)
     if installed is not None:
-        handle, turn_caches_back_on = installed
+        handle, undo_adapters = installed
         if handle is not None:
             handle.remove()
-        turn_caches_back_on()
+        undo_adapters()
 
 
 def _flatten(segments: list[Segment]) -> list[Segment]:

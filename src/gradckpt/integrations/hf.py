@@ -1,17 +1,64 @@
-"""Hugging Face Transformers: a model from its ``config.json``, and the batch it trains on.
+"""Hugging Face Transformers: caches off while gradckpt works, a model from its ``config.json``,
+and the batch it trains on.
 
 Transformers is imported inside the functions that need it, so that importing this module works
-without it (the command line imports it whatever model it plans); only building a model from a
-config needs the ``hf`` extra.
+without it (``gradckpt`` imports it to register ``turn_caches_off``; the command line imports it
+whatever model it plans); only building a model from a config needs the ``hf`` extra.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NoLanguageModelError", "is_language_model", "model_from_config_json", "token_sample"]
+from ..adapters import register_adapter
+
+__all__ = [
+    "NoLanguageModelError", "is_language_model", "model_from_config_json", "token_sample",
+    "turn_caches_off",
+]
+
+
+def turn_caches_off(model: Any) -> Callable[[], None] | None:
+    """Set ``use_cache = False`` on every config of ``model`` that has it true; return a
+    function that turns them back on (``None`` when there were none).
+
+    With ``config.use_cache`` true, a Transformers model hands its layers a cache object even in
+    a training step, and each layer appends its keys and values to it. A recomputed layer would
+    append them again, and profiling re-runs each layer on its own; the cache is useless for
+    training anyway. Transformers' own gradient checkpointing turns it off for the same
+    reasons. Registered as an adapter (``gradckpt.adapters``): gradckpt turns caches off while
+    it profiles a model and while a plan is applied, and puts them back after.
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> model = torch.nn.Linear(2, 2)
+        >>> model.config = SimpleNamespace(use_cache=True)
+        >>> restore = turn_caches_off(model)
+        >>> model.config.use_cache
+        False
+        >>> restore()
+        >>> model.config.use_cache
+        True
+    """
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    turned_off = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    if not turned_off:
+        return None
+    for config in turned_off:
+        config.use_cache = False
+
+    def restore() -> None:
+        for config in turned_off:
+            config.use_cache = True
+
+    return restore
+
+
+register_adapter(turn_caches_off)
 
 
 class NoLanguageModelError(ValueError):

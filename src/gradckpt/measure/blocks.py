@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..caches import caches_off
+from ..adapters import adapted
 from ..errors import UsageError
 from .model_state import buffers_and_rng_preserved
 from .step import run_model
@@ -83,8 +83,9 @@ def find_blocks(model: nn.Module, sample: Any = None) -> list[tuple[str, nn.Modu
     (a tensor, a tuple of positional arguments or a dict of keywords, as ``gradckpt.profile``
     takes it), the model runs its forward pass on it once under ``torch.no_grad()`` and the
     blocks come in the order they first ran. The run leaves no trace: buffers (BatchNorm's
-    running statistics) and the CPU and CUDA RNG state are put back, hooks removed and Hugging
-    Face caches off. Blocks that do not run on the sample raise ``UsageError``, naming them.
+    running statistics) and the CPU and CUDA RNG state are put back, hooks removed, and the
+    registered adapters (``gradckpt.adapters``: Hugging Face caches off) run meanwhile. Blocks
+    that do not run on the sample raise ``UsageError``, naming them.
 
     Example:
         >>> import torch
@@ -327,7 +328,7 @@ def _in_run_order(
     try:
         for index, (_, module) in enumerate(blocks):
             handles.append(module.register_forward_pre_hook(functools.partial(note, index)))
-        with buffers_and_rng_preserved(model), caches_off(model), torch.no_grad():
+        with buffers_and_rng_preserved(model), adapted(model), torch.no_grad():
             run_model(model, sample)
     finally:
         for handle in handles:

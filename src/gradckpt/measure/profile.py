@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..caches import caches_off
+from ..adapters import adapted
 from ..engine import storage_key
 from ..errors import UsageError
 from ..profile_types import BlockProfile, Profile
@@ -80,8 +80,8 @@ def profile(
             profiling (the CLI draws a bar with it; ``gradckpt.cli.progress.progress_bar``
             makes one). ``None``: nothing is reported.
 
-    Hugging Face key/value caches are off while it measures (``gradckpt.caches``), as they
-    are while a plan is applied.
+    The registered adapters (``gradckpt.adapters``: Hugging Face key/value caches off) run
+    while it measures, as they do while a plan is applied.
 
     Example:
         >>> import torch, gradckpt
@@ -110,7 +110,7 @@ def profile(
     with (
         gradients_preserved(model),
         buffers_and_rng_preserved(model),
-        caches_off(model),
+        adapted(model),
     ):
         done = 0
 
