@@ -35,14 +35,14 @@ import torch
 from torch import nn
 
 from ..adapters import adapted
-from ..engine import storage_key
+from ..engine import first_tensor, storage_key
 from ..errors import UsageError
 from ..profile_types import BlockProfile, Profile
 from .block import measure_block
 from .blocks import resolve_blocks
 from .device import infer_device
 from .model_state import buffers_and_rng_preserved, gradients_preserved
-from .recording import record_block_calls
+from .recording import Recording, record_block_calls
 from .side_inputs import with_side_inputs
 from .step import training_step
 from .step_memory import StepMemory
@@ -178,8 +178,17 @@ def profile(
     between = recording.gradients_made_after()
     return _assemble(
         measured, memory, step_seconds, device, chain_breaks,
-        sum(between[1:]) + output_held_bytes,
+        sum(between[1:]) + output_held_bytes, _input_is_the_samples(recording, sample),
     )
+
+
+def _input_is_the_samples(recording: Recording, sample: Any) -> bool:
+    """Whether the chain's first block took a tensor of the sample as its hidden state (a
+    CNN's images), which the memory at the step's start counts already."""
+    first = first_tensor(recording.arguments[recording.order[0]])
+    return first is not None and storage_key(first) in {
+        storage_key(tensor) for tensor in tensors_in(sample)
+    }
 
 
 def _progress_callback(progress: Any) -> Callable[[int, int], None]:
@@ -197,7 +206,7 @@ def _progress_callback(progress: Any) -> Callable[[int, int], None]:
 
 def _assemble(
     blocks: list[BlockProfile], memory: StepMemory, step_seconds: float, device: torch.device,
-    chain_breaks: list[int], counted_by_blocks_bytes: int = 0,
+    chain_breaks: list[int], counted_by_blocks_bytes: int = 0, chain_input_fixed: bool = False,
 ) -> Profile:
     """The profile, with the step's phases expressed the way ``gradckpt.cost`` models them.
     ``counted_by_blocks_bytes``: what is alive when the chain's backward ends that the blocks'
@@ -212,6 +221,7 @@ def _assemble(
         device=str(device),
         other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
         chain_breaks=chain_breaks,
+        chain_input_fixed=chain_input_fixed,
     )
     retained = measured.plain_retained_bytes()
     measured.head_bytes = max(0, memory.highest["head"] - fixed - retained)
