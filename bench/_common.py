@@ -39,6 +39,7 @@ import gc
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -477,6 +478,39 @@ RUN_ARGUMENT_HELP = {
 NON_NEGATIVE = ("warmup", "patience")  # every other sized flag must be positive
 
 
+FREED_MEMORY_KEPT = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": "68719476736",
+    "MALLOC_TOP_PAD_": "1073741824",
+}
+
+
+def keep_freed_memory() -> None:
+    """Restart this script with glibc keeping freed memory, unless the environment says how.
+
+    A plain step's activations are the largest allocations a training step makes; glibc's
+    default malloc hands such blocks back to the OS when they are freed and the next step pays
+    page faults to touch them again (about 23,000 per plain step of the frontier's model, 3,400
+    with every layer checkpointed). That makes checkpointed steps look nearly free on CPU, while
+    CUDA's caching allocator keeps freed memory and pays nothing. These variables make glibc keep
+    it too. They are read when the process starts, hence the restart (``os.execve``); setting
+    any ``MALLOC_MMAP_MAX_`` yourself (even to glibc's default) skips it.
+    """
+    if "MALLOC_MMAP_MAX_" in os.environ:
+        return
+    environment = {**os.environ, **FREED_MEMORY_KEPT}
+    os.execve(sys.executable, [sys.executable, *sys.argv], environment)
+
+
+def describe_malloc() -> str:
+    """One line for a benchmark's header: whether freed memory is kept (see keep_freed_memory)."""
+    settings = {name: os.environ.get(name) for name in FREED_MEMORY_KEPT}
+    given = " ".join(f"{name}={value}" for name, value in settings.items() if value is not None)
+    if settings == FREED_MEMORY_KEPT:
+        return f"malloc: freed memory kept ({given})"
+    return f"malloc: {given or 'glibc defaults'}, not the settings keep_freed_memory() makes"
+
+
 def add_run_arguments(
     parser: argparse.ArgumentParser,
     full: dict[str, float],
@@ -553,8 +587,10 @@ def resolve_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
 
 
 def describe_machine(device: torch.device) -> str:
-    """One line: torch version, device, and the CPU threads torch uses."""
+    """One line: torch version, device, CPU threads torch uses and, on CPU, malloc's settings."""
     text = f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} CPU threads"
     if device.type == "cuda":
         text += f", {torch.cuda.get_device_name(device)}"
+    else:
+        text += f"; {describe_malloc()}"
     return text

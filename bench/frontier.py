@@ -863,4 +863,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    _common.keep_freed_memory()
     sys.exit(main())
