@@ -19,7 +19,7 @@ batch and seed), measured side by side in one run:
       gradckpt @ <anchor>   ``gradckpt.solve(gradckpt.profile(model, sample), P, "optimal")``
                             with P = the anchor's measured peak, installed with ``gradckpt.apply``
 
-Run it (about 14 minutes on a quiet 2-core CPU, 40 rounds; ``--rounds 16`` takes 6 minutes
+Run it (about 10 minutes on a quiet 2-core CPU, 40 rounds; ``--rounds 16`` takes 4 minutes
 and its extra times move by about 10% from run to run; ``--quick`` is a smoke test of seconds):
 
     .venv/bin/python bench/frontier.py
@@ -659,7 +659,7 @@ def verdict(rows: list[FrontierRow], checks: dict[str, PredictionCheck], floor: 
 # --------------------------------------------------------------------------------------------
 
 # Sizes and repetitions: the full run (a plain step ~0.45 s on 2 CPU cores, up to 10 contenders,
-# a round ~20 s, the script about 14 minutes) and --quick (a smoke test of seconds). Explicit
+# a round ~13 s, the script about 10 minutes) and --quick (a smoke test of seconds). Explicit
 # flags win over both. 40 rounds: one step's time strays by 10-15% here. With 6 rounds a
 # two-block recomputation measured anywhere from -2% to +12% of a step from run to run; with
 # 16, every layer checkpointed measured +0.40 to +0.59 in five runs (two identical layouts in
