@@ -6,6 +6,7 @@ plan, whose ``str`` and ``predicted_peak_bytes`` say what the step will cost bef
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,12 +14,14 @@ import torch
 from torch import nn
 
 from .apply import apply
-from .budget import parse_budget
+from .budget import format_bytes, parse_budget
+from .errors import BudgetError
 from .measure import infer_device, profile
 from .plan import Plan
+from .profile_types import Profile
 from .solvers import solve
 
-__all__ = ["enable"]
+__all__ = ["enable", "solve_reserving"]
 
 
 def enable(
@@ -51,9 +54,66 @@ def enable(
         >>> gradckpt.disable(model)
     """
     measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output)
-    budget_bytes = parse_budget(
-        budget, unconstrained_peak_bytes=measured.peak_bytes, device=infer_device(model)
-    )
-    plan = solve(measured, budget_bytes, strategy)
+    plan = solve_reserving(measured, budget, strategy, device=infer_device(model))
     apply(model, plan)
     return plan
+
+
+def solve_reserving(
+    measured: Profile,
+    budget: int | str | None,
+    strategy: str = "optimal",
+    *,
+    reserved_bytes: int = 0,
+    reserved_for: str = "memory held outside the step",
+    device: torch.device | str | None = None,
+) -> Plan:
+    """Solve for ``budget`` when the step also holds ``reserved_bytes`` all along (an
+    optimizer's state, accumulated gradients: ``gradckpt.reserved``), which the profile's
+    step did not.
+
+    ``budget`` is for everything, as the user compares it with the GPU; the solver gets it less
+    ``reserved_bytes``, and the plan's predicted peak and budget include them again. A
+    percentage is of the peak without checkpointing, the reserved memory included. A budget
+    too small says the smallest that works, ``reserved_for`` naming what was added.
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile
+        >>> from gradckpt.cli.sqrt_table import homogeneous_chain
+        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 16)
+        >>> plan = solve_reserving(chain, "80%", reserved_bytes=200, reserved_for="Adam's state")
+        >>> plan.predicted_peak_bytes <= plan.budget_bytes == int(0.8 * (chain.peak_bytes + 200))
+        True
+        >>> solve_reserving(chain, "100B", reserved_bytes=200, reserved_for="Adam's state")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.BudgetError: budget 100 B does not even hold Adam's state, 200 B; ...
+    """
+    if budget is None:
+        return solve(measured, None, strategy)
+    budget_bytes = parse_budget(
+        budget, unconstrained_peak_bytes=measured.peak_bytes + reserved_bytes, device=device
+    )
+    if not reserved_bytes:
+        return solve(measured, budget_bytes, strategy)
+    if budget_bytes <= reserved_bytes:
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} does not even hold {reserved_for}, "
+            f"{format_bytes(reserved_bytes)}; raise the budget",
+            minimum_bytes=reserved_bytes + 1,
+        )
+    try:
+        plan = solve(measured, budget_bytes - reserved_bytes, strategy)
+    except BudgetError as error:
+        minimum = error.minimum_bytes + reserved_bytes
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below the smallest peak {strategy} reaches "
+            f"with {reserved_for} ({format_bytes(reserved_bytes)}) counted, "
+            f"{format_bytes(minimum)}; raise the budget to at least that",
+            minimum_bytes=minimum,
+        ) from None
+    return dataclasses.replace(
+        plan,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes + reserved_bytes,
+    )

@@ -43,8 +43,9 @@ def memory_parts(
         parts.append(("logits and loss (the output head)", head_bytes))
     if optimizer_bytes:
         parts.append(("optimizer state (Adam, predicted)", optimizer_bytes))
+    # The plan's predicted peak counts the optimizer's state (enable.solve_reserving).
     rest = plan.predicted_peak_bytes - parameter_bytes - gradient_bytes - activation_bytes
-    rest -= head_bytes
+    rest -= head_bytes + optimizer_bytes
     if rest > 0:
         parts.append(("the rest (inputs, temporaries, recomputation)", rest))
     return parts

@@ -12,7 +12,6 @@ from .errors import CommandLineError
 from .frontier import optimal_frontier
 from .memory_parts import memory_parts
 from .model_lookup import resolve_model
-from .optimizer_budget import optimizer_state_bytes, solve_with_optimizer
 from .profiling import profile_with_bar
 from .progress import stage
 
@@ -36,7 +35,9 @@ def run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from gradckpt.budget import format_bytes
+    from gradckpt.enable import solve_reserving
     from gradckpt.report import memory_breakdown_table
+    from gradckpt.reserved import optimizer_state_bytes
 
     if args.list:
         print(builtin_list())
@@ -50,8 +51,11 @@ def run_plan(args: argparse.Namespace) -> int:
     sample = to_device(target.sample, device)
     stage("profiling one training step and each block")
     profile = profile_with_bar(model, sample, keep_output=not args.drop_output)
-    optimizer_bytes = optimizer_state_bytes(model, args.optimizer)
-    plan = solve_with_optimizer(profile, args.budget, args.strategy, optimizer_bytes)
+    optimizer_bytes = optimizer_state_bytes(None if args.optimizer == "none" else "adam", model)
+    plan = solve_reserving(
+        profile, args.budget, args.strategy, reserved_bytes=optimizer_bytes,
+        reserved_for="Adam's state", device=device,
+    )
 
     names = [block.name for block in profile.blocks]
     print(
@@ -66,8 +70,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(plan)
     if optimizer_bytes:
         print(
-            f"with Adam's state ({format_bytes(optimizer_bytes)}, predicted): predicted peak "
-            f"{format_bytes(plan.predicted_peak_bytes + optimizer_bytes)}"
+            f"with Adam's state ({format_bytes(optimizer_bytes)}, predicted), counted in the "
+            f"predicted peak and the budget"
         )
     print()
     print(memory_breakdown_table(memory_parts(model, profile, plan, optimizer_bytes)))
