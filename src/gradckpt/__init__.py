@@ -14,7 +14,7 @@ from .engine import (
     is_checkpointed,
     uncheckpoint_module,
 )
-from .errors import BudgetError, CheckpointError, GradckptError, UsageError
+from .errors import BudgetError, CheckpointError, GradckptError, GradckptWarning, UsageError
 from .measure import find_blocks, profile
 from .plan import Plan
 from .policies import Fate, offload_matmuls, save_matmuls
@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "Fate",
     "GradckptError",
+    "GradckptWarning",
     "Plan",
     "Profile",
     "UsageError",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 
 class GradckptError(Exception):
     """Base class of every error gradckpt raises on purpose."""
@@ -28,3 +30,37 @@ class BudgetError(GradckptError, ValueError):
     def __init__(self, message: str, minimum_bytes: int) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
+
+
+class GradckptWarning(UserWarning):
+    """Something that would silently cost memory, time or correct gradients; the message names
+    the fix. Each kind is issued once per process (``warn_once``)."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, *, stacklevel: int = 3) -> bool:
+    """Issue ``message`` as a ``GradckptWarning`` the first time ``key`` is seen in this
+    process; return whether it was issued.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_once("example", "first"), warn_once("example", "second")
+        (True, False)
+        >>> [str(w.message) for w in caught]
+        ['first']
+        >>> forget_warnings()
+    """
+    if key in _warned:
+        return False
+    _warned.add(key)
+    warnings.warn(message, GradckptWarning, stacklevel=stacklevel)
+    return True
+
+
+def forget_warnings() -> None:
+    """Let every ``warn_once`` warning be issued again (for tests)."""
+    _warned.clear()

@@ -70,6 +70,15 @@ class _RngSnapshot:
             for device in _accelerator_devices(tensors)
         }
 
+    def moved(self) -> bool:
+        """Whether anything drew random numbers since the snapshot (dropout, say)."""
+        if not torch.equal(torch.get_rng_state(), self.cpu_state):
+            return True
+        return any(
+            not torch.equal(torch.get_device_module(device.type).get_rng_state(device), state)
+            for device, state in self.device_states.items()
+        )
+
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
         # Replay the region's RNG, then put the caller's back: recomputation must not shift the
@@ -207,10 +216,17 @@ class _AmbientState:
 
     def __init__(self, tensors: list[torch.Tensor], preserve_rng_state: bool) -> None:
         self.rng = _RngSnapshot(tensors) if preserve_rng_state else None
+        # Without replay, a region that draws random numbers recomputes with other ones: a
+        # wrong gradient nobody would notice. Snapshot anyway, to tell (random_without_replay).
+        self.rng_probe = None if preserve_rng_state else _RngSnapshot(tensors)
         self.autocast = _AutocastSnapshot(tensors)
         self.default_device = _default_device()
         self.fake_mode = _active_fake_mode()
         self.settings = [(setting, setting.get()) for setting in _SETTINGS]
+
+    def random_without_replay(self) -> bool:
+        """The region drew random numbers (its forward has run) and its RNG is not replayed."""
+        return self.rng_probe is not None and self.rng_probe.moved()
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UsageError, warn_once
 from ..policies import Policy, PolicyLike, resolve_policy
 from .ambient import _AmbientState, _BufferGuard
 from .debug import _debug_state, _first_divergence
@@ -327,7 +327,17 @@ def _run_checkpointed(
         stack.enter_context(
             torch.autograd.graph.saved_tensors_hooks(region.pack_during_forward, _unpack)
         )
-        return fn(*args, **kwargs)
+        output = fn(*args, **kwargs)
+    if region.ambient.random_without_replay():
+        warn_once(
+            "random-without-replay",
+            f"checkpointed region {region.name!r} draws random numbers (dropout?) with "
+            "preserve_rng_state=False: its recomputation draws different ones, so its "
+            "gradients are not those of the forward pass. Leave preserve_rng_state=True, or "
+            "turn the randomness off (model.eval(), dropout p=0).",
+            stacklevel=4,
+        )
+    return output
 
 
 def _name_of(fn: Callable[..., Any]) -> str:

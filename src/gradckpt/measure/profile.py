@@ -48,6 +48,7 @@ from .step import training_step
 from .step_memory import StepMemory
 from .tensors import tensor_bytes, tensors_in
 from .timing import BlockForwardTimer, block_kind, median_seconds, pooled_times
+from .torch_checkpoints import torch_checkpoints_watched
 
 __all__ = ["profile"]
 
@@ -119,7 +120,10 @@ def profile(
             done += 1
             report(done, steps)
 
-        recording = record_block_calls(model, sample, loss_fn, modules)
+        # Where the model checkpoints itself with torch.utils.checkpoint, warn about the silent
+        # failures that can hide there (double checkpointing, frozen inputs, RNG not replayed).
+        with torch_checkpoints_watched(named_blocks):
+            recording = record_block_calls(model, sample, loss_fn, modules)
         if recording.order != list(range(len(modules))):
             ran = [named_blocks[index][0] for index in recording.order]
             if blocks is not None:
