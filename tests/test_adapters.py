@@ -10,20 +10,26 @@ import torch
 from hf_models import causal_sample, tiny_llama
 
 import gradckpt
-from gradckpt.adapters import adapt, adapted, register_adapter, unregister_adapter
-from gradckpt.integrations.hf import turn_caches_off
+from gradckpt.adapters import (
+    Occasion,
+    adapt,
+    adapted,
+    register_adapter,
+    unregister_adapter,
+)
+from gradckpt.integrations.hf import adapt_transformers, turn_caches_off
 
 
 def test_adapters_run_in_order_and_undo_last_first() -> None:
     events = []
 
     def adapter(label):
-        def run(model):
+        def run(model, occasion):
             events.append(f"{label} on")
             return lambda: events.append(f"{label} off")
         return run
 
-    first, second, idle = adapter("first"), adapter("second"), lambda model: None
+    first, second, idle = adapter("first"), adapter("second"), lambda model, occasion: None
     for each in (first, second, idle, first):  # registering twice runs it once
         register_adapter(each)
     try:
@@ -43,21 +49,30 @@ def test_adapters_run_in_order_and_undo_last_first() -> None:
 def test_importing_gradckpt_registers_the_hugging_face_adapter() -> None:
     # The core imports no integration; the package wires the built-in ones in.
     code = ("import gradckpt, gradckpt.adapters as a, gradckpt.integrations.hf as hf; "
-            "assert hf.turn_caches_off in a._ADAPTERS")
+            "assert hf.adapt_transformers in a._ADAPTERS")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_caches_are_off_while_profiling_and_while_a_plan_is_applied() -> None:
+def test_caches_are_off_in_training_steps_while_profiling_and_while_a_plan_is_applied() -> None:
     model = tiny_llama(3)
     model.config.use_cache = True
-    seen = []
-    hook = model.model.layers[0].register_forward_pre_hook(
-        lambda module, args: seen.append(model.config.use_cache))
+    seen = []  # the cache each training forward of a layer was handed
+
+    def note(module, args, kwargs):
+        if torch.is_grad_enabled():
+            seen.append(kwargs.get("cache", kwargs.get("past_key_values")))
+
+    hook = model.model.layers[0].register_forward_pre_hook(note, with_kwargs=True)
     sample = causal_sample()
     plan = gradckpt.enable(model, sample, budget="90%")
+    assert seen and all(cache is None for cache in seen)  # profiling: never a cache
+    seen.clear()
+    model(**sample).loss.backward()  # a training step under the plan
+    assert seen == [None]
+    with torch.no_grad():  # inference: the cache as configured
+        model(**sample)
     hook.remove()
-    assert seen and not any(seen)  # every forward profile ran had the cache off
-    assert model.config.use_cache is False  # the plan is applied
+    assert model.config.use_cache is True  # outside a training step: as the user set it
     gradckpt.disable(model)
     assert model.config.use_cache is True
     assert plan.block_names
@@ -65,3 +80,4 @@ def test_caches_are_off_while_profiling_and_while_a_plan_is_applied() -> None:
 
 def test_a_model_without_a_config_is_left_alone() -> None:
     assert turn_caches_off(torch.nn.Linear(2, 2)) is None
+    assert adapt_transformers(torch.nn.Linear(2, 2), Occasion(True, True)) is None

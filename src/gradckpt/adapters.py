@@ -5,22 +5,23 @@ Hugging Face's key/value cache off) registers an adapter here, and the core runs
 registered adapter around its work on a model: while ``profile`` measures it, and while a plan
 is applied (from ``apply`` to ``disable``).
 
-An adapter is a callable ``adapter(model)``: it changes what the model needs changed for
-training with a plan and returns a function that puts it back, or ``None`` when it changed
-nothing (the model is not of its kind).
+An adapter is a callable ``adapter(model, occasion)``: it changes what the model needs changed
+and returns a function that puts it back, or ``None`` when it changed nothing (the model is not
+of its kind). ``occasion`` (an ``Occasion``) says why gradckpt holds the model: measuring it, or
+training it under a plan, and whether that plan recomputes anything.
 
 Example:
     >>> import torch
     >>> events = []
-    >>> def note(model):
-    ...     events.append("adapted")
+    >>> def note(model, occasion):
+    ...     events.append(f"adapted, plan applied: {occasion.plan_applied}")
     ...     return lambda: events.append("restored")
     >>> register_adapter(note)
     >>> with adapted(torch.nn.Linear(1, 1)):
     ...     print(events)
-    ['adapted']
+    ['adapted, plan applied: False']
     >>> events
-    ['adapted', 'restored']
+    ['adapted, plan applied: False', 'restored']
     >>> unregister_adapter(note)
 """
 
@@ -28,12 +29,32 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Adapter", "register_adapter", "unregister_adapter", "adapt", "adapted"]
+__all__ = [
+    "Adapter", "MEASURING", "Occasion", "register_adapter", "unregister_adapter", "adapt",
+    "adapted",
+]
 
-Adapter = Callable[[nn.Module], "Callable[[], None] | None"]
+
+@dataclass(frozen=True)
+class Occasion:
+    """Why gradckpt holds a model.
+
+    - ``plan_applied``: False while ``profile`` measures it, True from ``apply`` to ``disable``.
+    - ``recomputes``: the applied plan recomputes at least one block (False for the plan
+      "none", and while measuring).
+    """
+
+    plan_applied: bool = False
+    recomputes: bool = False
+
+
+MEASURING = Occasion()
+
+Adapter = Callable[[nn.Module, Occasion], "Callable[[], None] | None"]
 
 _ADAPTERS: list[Adapter] = []
 
@@ -51,10 +72,12 @@ def unregister_adapter(adapter: Adapter) -> None:
         _ADAPTERS.remove(adapter)
 
 
-def adapt(model: nn.Module) -> Callable[[], None]:
+def adapt(model: nn.Module, occasion: Occasion = MEASURING) -> Callable[[], None]:
     """Run every registered adapter on ``model``; return a function undoing them all, the last
     one first."""
-    undos = [undo for adapter in list(_ADAPTERS) if (undo := adapter(model)) is not None]
+    undos = [
+        undo for adapter in list(_ADAPTERS) if (undo := adapter(model, occasion)) is not None
+    ]
 
     def restore() -> None:
         for undo in reversed(undos):
@@ -64,9 +87,9 @@ def adapt(model: nn.Module) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def adapted(model: nn.Module) -> Iterator[None]:
+def adapted(model: nn.Module, occasion: Occasion = MEASURING) -> Iterator[None]:
     """``adapt`` for the duration of a ``with`` block."""
-    restore = adapt(model)
+    restore = adapt(model, occasion)
     try:
         yield
     finally:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .adapters import adapt
+from .adapters import Occasion, adapt
 from .engine import SegmentsHandle, checkpoint_segments
 from .errors import UsageError
 from .measure import resolve_blocks
@@ -85,24 +85,39 @@ def apply(model: nn.Module, plan: Plan) -> None:
             policies=[s.policy for s in flat],
             names=names,
         )
-    # As the profile measured the step: recomputed layers would append to a key/value cache
-    # twice, for one (see gradckpt.integrations.hf.turn_caches_off).
-    _installed[model] = (handle, adapt(model))
+    # As the profile measured the step (recomputed layers would append to a key/value cache
+    # twice, for one), and so that the model's ecosystem knows (gradckpt.integrations.hf).
+    _installed[model] = (handle, adapt(model, Occasion(plan_applied=True, recomputes=bool(flat))))
 
 
 def disable(model: nn.Module) -> None:
     """Remove whatever ``apply`` installed on ``model``; a no-op if nothing is.
 
+    ``model`` may also be a wrapper of the planned model (``peft.get_peft_model`` after
+    ``enable``) or what a planned wrapper unwraps to (``merge_and_unload()``).
+
     Example:
         >>> import torch, gradckpt
         >>> gradckpt.disable(torch.nn.Linear(2, 2))
     """
-    installed = _installed.pop(model, None)
-    if installed is not None:
-        handle, undo_adapters = installed
+    for planned in _planned_models_sharing(model):
+        handle, undo_adapters = _installed.pop(planned)
         if handle is not None:
             handle.remove()
         undo_adapters()
+
+
+def _planned_models_sharing(model: nn.Module) -> list[nn.Module]:
+    """The models a plan was applied to that are ``model``, inside it or around it: a plan
+    applied before PEFT wrapped the model, or to the PEFT model whose ``merge_and_unload()``
+    returned ``model``, is still on ``model``'s blocks."""
+    if model in _installed:
+        return [model]
+    inside = set(model.modules())
+    return [
+        planned for planned in list(_installed)
+        if planned in inside or any(module is model for module in planned.modules())
+    ]
 
 
 def _flatten(segments: list[Segment]) -> list[Segment]:

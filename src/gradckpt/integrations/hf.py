@@ -1,24 +1,52 @@
-"""Hugging Face Transformers: caches off while gradckpt works, a model from its ``config.json``,
-and the batch it trains on.
+"""Hugging Face Transformers: what a model needs while gradckpt works on it, the Trainer
+callback, a model from its ``config.json``, and the batch it trains on.
+
+- ``adapt_transformers`` (registered adapter, so automatic for any model holding a
+  ``PreTrainedModel``): caches off in training only, Transformers' own checkpointing off while
+  gradckpt's plan is on, truthful ``is_activation_checkpointing``, and one behaviour for a later
+  ``gradient_checkpointing_enable()``. docs/integrations.md shows each.
+- ``GradckptCallback`` (``hf_trainer.py``): plan and apply for a ``Trainer`` run.
 
 Transformers is imported inside the functions that need it, so that importing this module works
-without it (``gradckpt`` imports it to register ``turn_caches_off``; the command line imports it
+without it (``gradckpt`` imports it to register its adapter; the command line imports it
 whatever model it plans); only building a model from a config needs the ``hf`` extra.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..adapters import register_adapter
+import torch
+from torch import nn
+
+from ..adapters import Occasion, register_adapter
+from ..errors import warn_once
+
+if TYPE_CHECKING:
+    from .hf_trainer import GradckptCallback  # noqa: F401  (loaded on first use: __getattr__)
 
 __all__ = [
-    "NoLanguageModelError", "is_language_model", "model_from_config_json", "token_sample",
-    "turn_caches_off",
+    "GradckptCallback", "NoLanguageModelError", "adapt_transformers", "is_language_model",
+    "model_from_config_json", "token_sample", "turn_caches_off",
 ]
+
+# Transformers' switches for its own checkpointing, on PreTrainedModel (the 4.x names and the 5.x
+# ones). While a plan is applied gradckpt answers them itself (``_answer_checkpointing_calls``).
+_ENABLE_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+_DISABLE_METHODS = ("gradient_checkpointing_disable", "activation_checkpointing_disable")
+
+
+def __getattr__(name: str) -> Any:
+    # The Trainer callback imports Transformers' Trainer, which is slow and optional: only on use.
+    if name == "GradckptCallback":
+        from .hf_trainer import GradckptCallback
+
+        return GradckptCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def turn_caches_off(model: Any) -> Callable[[], None] | None:
@@ -28,9 +56,8 @@ def turn_caches_off(model: Any) -> Callable[[], None] | None:
     With ``config.use_cache`` true, a Transformers model hands its layers a cache object even in
     a training step, and each layer appends its keys and values to it. A recomputed layer would
     append them again, and profiling re-runs each layer on its own; the cache is useless for
-    training anyway. Transformers' own gradient checkpointing turns it off for the same
-    reasons. Registered as an adapter (``gradckpt.adapters``): gradckpt turns caches off while
-    it profiles a model and while a plan is applied, and puts them back after.
+    training anyway. ``adapt_transformers`` calls this around every forward pass that may be
+    followed by a backward one.
 
     Example:
         >>> import torch
@@ -48,17 +75,193 @@ def turn_caches_off(model: Any) -> Callable[[], None] | None:
     turned_off = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
     if not turned_off:
         return None
-    for config in turned_off:
-        config.use_cache = False
+    return _switched_off(turned_off, "use_cache")
+
+
+def _switched_off(objects: list[Any], attribute: str) -> Callable[[], None]:
+    """Set ``attribute`` False on each of ``objects``; return what sets it True again."""
+    for obj in objects:
+        setattr(obj, attribute, False)
 
     def restore() -> None:
-        for config in turned_off:
-            config.use_cache = True
+        for obj in objects:
+            setattr(obj, attribute, True)
 
     return restore
 
 
-register_adapter(turn_caches_off)
+def adapt_transformers(model: nn.Module, occasion: Occasion) -> Callable[[], None] | None:
+    """What a Hugging Face model needs while gradckpt measures it or a plan is applied to it.
+
+    Registered as an adapter (``gradckpt.adapters``), so ``profile``, ``apply`` and ``enable``
+    run it on every model and ``disable`` undoes it. It changes, and puts back:
+
+    1. The key/value cache is off in every forward pass with gradients enabled (training),
+       and as the model has it otherwise: ``model.eval()`` + ``generate()`` keeps its cache
+       and runs exactly as without gradckpt.
+    2. Transformers' own checkpointing (``gradient_checkpointing_enable()``) is off: a layer
+       it checkpoints inside a block gradckpt recomputes would be recomputed twice. A one-time
+       ``GradckptWarning`` says so; ``gradckpt.disable`` turns it back on.
+    3. While a plan that recomputes anything is applied, ``is_gradient_checkpointing`` and
+       ``is_activation_checkpointing`` are True (so PEFT, the Trainer and user code see it),
+       and False again after ``gradckpt.disable``.
+    4. While any plan is applied, gradckpt answers Transformers' switches: a later
+       ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` (the Trainer
+       makes one with ``gradient_checkpointing=True``) keeps the plan and warns once;
+       ``..._disable()`` removes the plan, as ``gradckpt.disable`` does, then runs as usual.
+
+    Returns the undo, or None when the model has no Hugging Face part.
+
+    Example:
+        >>> import torch, transformers, gradckpt
+        >>> from gradckpt.adapters import Occasion
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+        >>> model = transformers.GPT2LMHeadModel(config)
+        >>> undo = adapt_transformers(model, Occasion(plan_applied=True, recomputes=True))
+        >>> model.is_activation_checkpointing
+        True
+        >>> undo()
+        >>> model.is_activation_checkpointing
+        False
+    """
+    undos = [_caches_off_while_training(model)]
+    pretrained = _pretrained_models(model)
+    if pretrained:
+        undos.append(_transformers_checkpointing_off(model))
+        if occasion.plan_applied:
+            if occasion.recomputes:
+                undos.append(_flags_say_checkpointing(pretrained))
+            undos.append(_answer_checkpointing_calls(model, pretrained))
+    undos = [undo for undo in undos if undo is not None]
+    if not undos:
+        return None
+
+    def restore() -> None:
+        for undo in reversed(undos):
+            undo()
+
+    return restore
+
+
+def _pretrained_models(model: nn.Module) -> list[nn.Module]:
+    """The Transformers models in ``model`` (itself, a base model, T5's stacks, a model PEFT
+    wraps). None when Transformers was never imported: then the model cannot hold one."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return []
+    pretrained_class = transformers.PreTrainedModel
+    return [module for module in model.modules() if isinstance(module, pretrained_class)]
+
+
+def _caches_off_while_training(model: nn.Module) -> Callable[[], None] | None:
+    """Forward hooks on ``model`` that turn caches off for a forward pass with gradients on."""
+    if not any(hasattr(getattr(m, "config", None), "use_cache") for m in model.modules()):
+        return None
+    pending: list[Callable[[], None] | None] = []
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_grad_enabled():  # inference and generate(): the cache as configured
+            pending.append(None)
+            return None
+        pending.append(turn_caches_off(module))
+        if kwargs.get("use_cache"):
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if pending and (restore := pending.pop()) is not None:
+            restore()
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    ]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+def _transformers_checkpointing_off(model: nn.Module) -> Callable[[], None] | None:
+    """Turn off every ``gradient_checkpointing`` flag Transformers set; warn once."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not flagged:
+        return None
+    warn_once(
+        "transformers-checkpointing-replaced",
+        f"Transformers' activation checkpointing is on in {type(model).__name__} "
+        f"({len(flagged)} modules flagged); gradckpt turns it off while it measures the model "
+        "and while its plan is applied, since a layer checkpointed by both would be recomputed "
+        "twice. gradckpt.disable(model) turns it back on; to keep Transformers' instead, do not "
+        "call gradckpt.enable or pass GradckptCallback to the Trainer.",
+    )
+    return _switched_off(flagged, "gradient_checkpointing")
+
+
+def _flags_say_checkpointing(pretrained: list[nn.Module]) -> Callable[[], None]:
+    """``is_activation_checkpointing`` reads ``gradient_checkpointing`` on every module. Set it
+    on the PreTrainedModels only: Transformers' checkpointing happens in its layers
+    (``GradientCheckpointingLayer``), which stay off; on a model class the flag only makes
+    ``use_cache`` off in training, which gradckpt does anyway."""
+    missing = object()
+    before = [(m, m.__dict__.get("gradient_checkpointing", missing)) for m in pretrained]
+    for module in pretrained:
+        module.gradient_checkpointing = True
+
+    def restore() -> None:
+        for module, value in before:
+            if value is missing:
+                module.__dict__.pop("gradient_checkpointing", None)
+            else:
+                module.gradient_checkpointing = value
+
+    return restore
+
+
+def _answer_checkpointing_calls(
+    model: nn.Module, pretrained: list[nn.Module]
+) -> Callable[[], None]:
+    """Instance attributes that shadow Transformers' switches while a plan is applied."""
+
+    def keep_the_plan(*args: Any, **kwargs: Any) -> None:
+        warn_once(
+            "transformers-checkpointing-call-ignored",
+            f"{type(model).__name__} has a gradckpt plan applied, so Transformers' "
+            "activation_checkpointing_enable() / gradient_checkpointing_enable() was not "
+            "carried out: both would recompute the same layers. The plan stays; call "
+            "gradckpt.disable(model) first to use Transformers' checkpointing instead.",
+        )
+
+    def remove_the_plan(owner: nn.Module, name: str) -> Callable[..., Any]:
+        def disable(*args: Any, **kwargs: Any) -> Any:
+            from ..apply import disable as disable_plan
+
+            disable_plan(model)  # takes these shadows off too
+            return getattr(owner, name)(*args, **kwargs)
+
+        return disable
+
+    installed = []
+    for owner in pretrained:
+        for name in _ENABLE_METHODS:
+            owner.__dict__[name] = keep_the_plan
+            installed.append((owner, name, keep_the_plan))
+        for name in _DISABLE_METHODS:
+            shadow = remove_the_plan(owner, name)
+            owner.__dict__[name] = shadow
+            installed.append((owner, name, shadow))
+
+    def restore() -> None:
+        for owner, name, shadow in installed:
+            if owner.__dict__.get(name) is shadow:
+                del owner.__dict__[name]
+
+    return restore
+
+
+register_adapter(adapt_transformers)
 
 
 class NoLanguageModelError(ValueError):
