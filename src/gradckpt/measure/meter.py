@@ -106,6 +106,13 @@ class MemoryMeter(TorchDispatchMode):
         else:
             self._highest = self.current()
 
+    def next_step(self) -> None:
+        """Call between training steps when one meter spans several (a Trainer run): on CPU,
+        torch's MemTracker refuses a module's second forward pass unless its per-module
+        statistics are cleared; the running total and the peak are kept."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         output = func(*args, **(kwargs or {}))
         self._highest = max(self._highest, self.current())

@@ -1,0 +1,427 @@
+"""Hugging Face ``Trainer``: ``GradckptCallback`` plans and applies gradckpt when training begins.
+
+The callback measures the model on one batch of the run (``gradckpt.profile``), solves for the
+budget with the optimizer's state and accumulated gradients set aside (``gradckpt.reserved``),
+applies the plan and logs it, all in ``on_train_begin``: after the Trainer has built its
+optimizer and data loader, before the first step.
+
+This module imports Transformers at the top: it is only imported when a user asks for the
+callback (``gradckpt`` itself imports ``integrations.hf``, which does not need Transformers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import numbers
+import random
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from torch import nn
+
+from ..apply import apply
+from ..budget import format_bytes, parse_budget
+from ..enable import solve_reserving
+from ..errors import UsageError
+from ..measure import infer_device, profile
+from ..plan import Plan
+from ..profile_types import Profile
+from ..reserved import accumulated_gradient_bytes, optimizer_state_bytes
+from ..solvers import BUDGET_DRIVEN, STRATEGIES
+
+__all__ = ["GradckptCallback"]
+
+logger = logging.getLogger("gradckpt")
+
+# Any large number will do: a percentage is checked for its syntax at construction, and the
+# real peak it is a share of is only known once the model is profiled. A small one (such as 1)
+# would turn "60%" into 0 bytes, which parse_budget rightly refuses.
+_PEAK_FOR_SYNTAX_CHECK_BYTES = 1 << 50
+
+# The value each padded position gets, by batch key; any other integer tensor gets 0.
+_LABEL_PAD_ID = -100  # what Transformers' losses ignore
+_TOKEN_KEYS = ("input_ids", "decoder_input_ids")
+
+
+class GradckptCallback(transformers.TrainerCallback):
+    """Checkpoint the model of a ``transformers.Trainer`` run so that its steps fit ``budget``.
+
+    Args:
+        budget: the peak memory of a training step on the model's device, everything included
+            (parameters, gradients, the optimizer's state): int bytes, ``"6GiB"``, ``"6GB"``,
+            ``"60%"`` (of the peak without checkpointing) or ``"auto"`` (what the device has
+            free). ``None`` only with the fixed strategies ``"none"``, ``"every-layer"`` and
+            ``"sqrt"``.
+        strategy: one of ``gradckpt.solvers.STRATEGIES``; ``"optimal"`` by default.
+        sample: the batch to profile on (a dict of tensors, as the model takes it); default:
+            the first batch of the Trainer's training data loader.
+        max_length: pad the profiled batch to this many tokens (see below).
+        loss_fn: turns the model's output into the loss, as for ``gradckpt.profile``; default
+            ``output.loss``, as the Trainer uses it.
+        blocks: the chain of blocks to checkpoint, as for ``gradckpt.profile``; default: found
+            in the model (``gradckpt.find_blocks``).
+
+    When training begins (``on_train_begin``) the callback:
+
+    1. takes the first batch of the training data loader, restoring every random number
+       generator it advances (torch's, CUDA's, Python's, NumPy's and the data loader's own), so
+       that the run sees the same batches and dropout masks as without the callback. The batch is
+       moved to the model's device and padded to the maximum length, since a later batch may be
+       longer than the first: ``max_length`` given here, else the collator's ``max_length``
+       attribute when it is an int (``DataCollatorWithPadding`` and ``DataCollatorForSeq2Seq``
+       have one). Every 2-D integer tensor of the batch shorter than that is padded at the end of
+       dim 1: ``labels`` with -100, ``input_ids`` with the pad token id (the collator's
+       tokenizer's, else the Trainer's ``processing_class``'s, else ``model.config``'s, else 0),
+       ``attention_mask``, ``token_type_ids`` and the rest with 0. Longer tensors are left as
+       they are. A ``sample`` passed here is used as given, padded only to a ``max_length``
+       passed here. With a data loader whose iteration cannot be repeated (a stream read once),
+       pass ``sample=``;
+    2. counts the memory the step holds besides what one forward and backward allocate: the
+       optimizer's state (the Trainer's optimizer; its ``args.optim`` when it has none yet) and,
+       with ``gradient_accumulation_steps`` above 1, the accumulated gradients;
+    3. profiles the model in training mode on that batch with the model's output dropped before
+       backward, as the Trainer's ``compute_loss`` does; solves for the budget, the reserved
+       memory included; applies the plan;
+    4. logs the plan once on the ``"gradckpt"`` logger at INFO, and keeps it as ``self.plan``
+       (the profile as ``self.profile``, the reserved bytes as ``self.reserved_bytes``).
+
+    It plans once: a second ``trainer.train()`` with the same callback keeps the plan, without
+    profiling again (make a new callback to plan again). The plan stays applied when training
+    ends; ``gradckpt.disable(model)`` removes it. When planning fails, the model is left as it
+    was and the error says why: ``gradckpt.BudgetError`` (with ``minimum_bytes``) for a budget no
+    plan meets, ``gradckpt.UsageError`` for a model without a chain of blocks it can find (pass
+    ``blocks=``) or a run without a training data loader (pass ``sample=``).
+
+    With ``TrainingArguments(activation_checkpointing=True)`` (``gradient_checkpointing``),
+    Transformers' own per-layer checkpointing is turned off while the plan is applied: the plan
+    decides what is recomputed.
+
+    Example:
+        >>> from gradckpt.integrations.hf_trainer import GradckptCallback
+        >>> callback = GradckptCallback(budget="60%")
+        >>> callback.budget, callback.strategy, callback.plan
+        ('60%', 'optimal', None)
+        >>> GradckptCallback(budget="6 gigs")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: GradckptCallback(budget='6 gigs'): budget '6 gigs' not ...
+        >>> from transformers import Trainer  # doctest: +SKIP
+        >>> trainer = Trainer(model, args, train_dataset=dataset,  # doctest: +SKIP
+        ...                   callbacks=[GradckptCallback(budget="20GiB")])
+        >>> trainer.train()  # doctest: +SKIP
+        >>> print(callback.plan)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        budget: int | str | None = "auto",
+        strategy: str = "optimal",
+        *,
+        sample: Any = None,
+        max_length: int | None = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        blocks: Any = None,
+    ) -> None:
+        _check_budget(budget, strategy)
+        if max_length is not None and (
+            isinstance(max_length, bool)
+            or not isinstance(max_length, numbers.Integral)
+            or max_length < 1
+        ):
+            raise UsageError(
+                f"GradckptCallback(max_length={max_length!r}): max_length must be a positive int "
+                f"(the number of tokens to pad the profiled batch to) or None"
+            )
+        self.budget = budget
+        self.strategy = strategy
+        self.sample = sample
+        self.max_length = max_length
+        self.loss_fn = loss_fn
+        self.blocks = blocks
+        self.plan: Plan | None = None
+        self.profile: Profile | None = None
+        self.reserved_bytes: int | None = None
+
+    def on_train_begin(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        model: nn.Module | None = None,
+        train_dataloader: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.plan is not None:  # planned in an earlier train() call: keep it
+            return
+        if model is None:
+            raise UsageError(
+                "GradckptCallback got no model in on_train_begin; it must be passed to a "
+                "transformers.Trainer (callbacks=[GradckptCallback(...)])"
+            )
+        device = infer_device(model)
+        sample = self._sample(model, train_dataloader, processing_class, device)
+
+        optimizer_bytes = optimizer_state_bytes(_optimizer_for(optimizer, args), model)
+        gradient_bytes = accumulated_gradient_bytes(model, args.gradient_accumulation_steps)
+        reserved_bytes = optimizer_bytes + gradient_bytes
+
+        # Nothing is applied until solving has succeeded, so a UsageError from profile (no
+        # blocks found) or a BudgetError leaves the model as it was.
+        with _training_mode(model):
+            try:
+                measured = profile(
+                    model, sample, loss_fn=self.loss_fn, blocks=self.blocks, keep_output=False
+                )
+            except UsageError as error:
+                raise UsageError(
+                    f"GradckptCallback could not profile {type(model).__name__}: {error} "
+                    f"(give the callback blocks=, loss_fn= or sample= as needed)"
+                ) from error
+        plan = solve_reserving(
+            measured,
+            self.budget,
+            self.strategy,
+            reserved_bytes=reserved_bytes,
+            reserved_for="the optimizer's state"
+            + (" and accumulated gradients" if gradient_bytes else ""),
+            device=device,
+        )
+        apply(model, plan)
+        self.plan, self.profile, self.reserved_bytes = plan, measured, reserved_bytes
+        logger.info(
+            "GradckptCallback planned %s for this Trainer run: strategy %s, budget %s, "
+            "predicted peak %s including %s reserved (optimizer state %s, accumulated "
+            "gradients %s), predicted extra time %.1f%% per step\n%s",
+            type(model).__name__,
+            plan.strategy,
+            _budget_text(self.budget, plan.budget_bytes),
+            format_bytes(plan.predicted_peak_bytes),
+            format_bytes(reserved_bytes),
+            format_bytes(optimizer_bytes),
+            format_bytes(gradient_bytes),
+            100 * plan.predicted_overhead,
+            plan,
+        )
+
+    def _sample(
+        self, model: nn.Module, train_dataloader: Any, processing_class: Any, device: torch.device
+    ) -> Any:
+        """The batch to profile on, on ``device``, padded as the class docstring says."""
+        if self.sample is not None:
+            sample = self.sample
+            collator = None
+            max_length = self.max_length
+        else:
+            if train_dataloader is None:
+                raise UsageError(
+                    "GradckptCallback needs a batch to profile the model on and the Trainer "
+                    "has no training data loader; pass one: GradckptCallback(sample={...})"
+                )
+            sample = _first_batch(train_dataloader)
+            collator = _collator_of(train_dataloader)
+            max_length = self.max_length
+            if max_length is None:
+                collator_length = getattr(collator, "max_length", None)
+                if isinstance(collator_length, int) and not isinstance(collator_length, bool):
+                    max_length = collator_length
+        sample = _on_device(sample, device)
+        if max_length is not None:
+            pad_token_id = _pad_token_id(collator, processing_class, model)
+            sample = _padded(sample, max_length, pad_token_id)
+        return sample
+
+
+def _check_budget(budget: Any, strategy: Any) -> None:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise UsageError(
+            f"GradckptCallback(strategy={strategy!r}): unknown strategy; valid strategies: "
+            f"{', '.join(STRATEGIES)}"
+        )
+    if budget is None:
+        if strategy in BUDGET_DRIVEN:
+            raise UsageError(
+                f"GradckptCallback(budget=None, strategy={strategy!r}): this strategy chooses "
+                f"its plan for a budget; pass one ('6GiB', '60%', 'auto') or use one of the "
+                f"fixed strategies 'none', 'every-layer', 'sqrt'"
+            )
+        return
+    # "auto" is read when training begins, on the model's device: reading it now could start
+    # CUDA in a process that has not picked its device yet.
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        return
+    try:
+        parse_budget(budget, unconstrained_peak_bytes=_PEAK_FOR_SYNTAX_CHECK_BYTES)
+    except UsageError as error:
+        raise UsageError(f"GradckptCallback(budget={budget!r}): {error}") from None
+
+
+def _budget_text(budget: int | str | None, budget_bytes: int | None) -> str:
+    if budget_bytes is None:
+        return "none"
+    if isinstance(budget, str):  # "85%" or "auto": say what it came to
+        return f"{format_bytes(budget_bytes)} ({budget!r})"
+    return format_bytes(budget_bytes)
+
+
+def _optimizer_for(
+    optimizer: torch.optim.Optimizer | None, args: transformers.TrainingArguments
+) -> torch.optim.Optimizer | str:
+    """The optimizer whose state to count: the Trainer's, unwrapped from Accelerate's
+    ``AcceleratedOptimizer`` (whose class name says nothing of the state it keeps), or the
+    name ``args.optim`` stands for when the Trainer has not built one yet or has one that is no
+    ``torch.optim.Optimizer`` (DeepSpeed's)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    name = str(getattr(args.optim, "value", args.optim)).lower()
+    for prefix, counted_as in (("sgd", "sgd"), ("adagrad", "adagrad"), ("rmsprop", "adam")):
+        if name.startswith(prefix):
+            return counted_as
+    # The Trainer's default is AdamW; Adafactor, Lion and 8-bit optimizers keep less, so
+    # counting two full-size states for them errs on the safe side.
+    return "adamw"
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    """The model in training mode, as the Trainer runs it, and each module's mode put back."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _first_batch(train_dataloader: Any) -> Any:
+    """The data loader's first batch, every random state it advances put back as it was."""
+    with _random_states_preserved(train_dataloader):
+        iterator = iter(train_dataloader)
+        try:
+            return next(iterator)
+        except StopIteration:
+            raise UsageError(
+                "GradckptCallback: the training data loader gave no batch to profile the model "
+                "on; pass one: GradckptCallback(sample={...})"
+            ) from None
+        finally:
+            close = getattr(iterator, "close", None)  # Accelerate's loaders are generators
+            if close is not None:
+                close()
+
+
+@contextlib.contextmanager
+def _random_states_preserved(train_dataloader: Any) -> Iterator[None]:
+    # Drawing a batch draws from torch's generator (the sampler's seed, the workers' base
+    # seed) and possibly from a generator of the data loader's own; without restoring them the
+    # run would shuffle and drop out differently from the same run without the callback.
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    generators = _generators_in(train_dataloader)
+    generator_states = [generator.get_state() for generator in generators]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        for generator, generator_state in zip(generators, generator_states, strict=True):
+            generator.set_state(generator_state)
+
+
+def _generators_in(train_dataloader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator``s a data loader, its samplers and Accelerate's wrapper hold."""
+    found: dict[int, torch.Generator] = {}
+    seen: set[int] = set()
+    pending = [train_dataloader]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Generator):
+            found[id(item)] = item
+            continue
+        for name in ("generator", "synchronized_generator", "sampler", "batch_sampler",
+                     "base_dataloader"):
+            try:
+                value = getattr(item, name, None)
+            except Exception:  # an attribute computed by a wrapper; not a generator anyway
+                continue
+            if value is not None:
+                pending.append(value)
+    return list(found.values())
+
+
+def _collator_of(train_dataloader: Any) -> Any:
+    """The user's collator, unwrapped from the Trainer's ``RemoveColumnsCollator``."""
+    collator = getattr(train_dataloader, "collate_fn", None)
+    while getattr(collator, "data_collator", None) is not None:
+        collator = collator.data_collator
+    return collator
+
+
+def _pad_token_id(collator: Any, processing_class: Any, model: nn.Module) -> int:
+    tokenizer = getattr(collator, "tokenizer", None)
+    if tokenizer is None:
+        tokenizer = processing_class
+    for source in (tokenizer, getattr(model, "config", None)):
+        pad_token_id = getattr(source, "pad_token_id", None)
+        if isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool):
+            return pad_token_id
+    return 0
+
+
+def _on_device(sample: Any, device: torch.device) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return sample.to(device)
+    if isinstance(sample, Mapping):  # a BatchEncoding is a Mapping, not a dict
+        return {key: _on_device(value, device) for key, value in sample.items()}
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(_on_device(value, device) for value in sample)
+    return sample
+
+
+def _padded(sample: Any, max_length: int, pad_token_id: int) -> Any:
+    if isinstance(sample, Mapping):
+        return {
+            key: _padded_tensor(value, max_length, _pad_value(key, pad_token_id))
+            for key, value in sample.items()
+        }
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(_padded_tensor(value, max_length, 0) for value in sample)
+    return _padded_tensor(sample, max_length, 0)
+
+
+def _pad_value(key: str, pad_token_id: int) -> int:
+    if key == "labels":
+        return _LABEL_PAD_ID
+    if key in _TOKEN_KEYS:
+        return pad_token_id
+    return 0
+
+
+def _padded_tensor(value: Any, max_length: int, pad_value: int) -> Any:
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dim() != 2
+        or value.dtype.is_floating_point
+        or value.dtype.is_complex
+        or value.dtype == torch.bool
+        or value.shape[1] >= max_length
+    ):
+        return value
+    padding = value.new_full((value.shape[0], max_length - value.shape[1]), pad_value)
+    return torch.cat([value, padding], dim=1)

@@ -1,0 +1,388 @@
+"""``GradckptCallback``: a Hugging Face Trainer run with it trains exactly as without it, within
+the budget, the optimizer's state and accumulated gradients counted; bad input is refused
+before anything is applied.
+
+Every run is a few real Trainer steps of a tiny Llama (random weights, nothing downloaded) on
+CPU; the plain runs the checkpointed ones are compared with are computed once per module.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import hf_models
+import numpy as np
+import pytest
+import torch
+import transformers
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutput
+
+import gradckpt
+from gradckpt import BudgetError, UsageError
+from gradckpt.integrations import hf_trainer
+from gradckpt.integrations.hf_trainer import GradckptCallback
+from gradckpt.measure import MemoryMeter, profile
+from gradckpt.reserved import optimizer_state_bytes
+
+SEQUENCE_LENGTH = 32
+# Low enough that the plan recomputes something, high enough to be feasible with Adam's state
+# and, in the accumulation test, the accumulated gradients counted.
+BUDGET = "85%"
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    """Seeded, attention dropout on: the callback must not change the dropout masks either."""
+    return hf_models.tiny_llama(4, vocab_size=256)
+
+
+def token_dataset(size: int = 16) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (size, SEQUENCE_LENGTH), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in tokens]
+
+
+def training_args(output_dir: Path, **overrides: Any) -> transformers.TrainingArguments:
+    settings: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return transformers.TrainingArguments(**settings)
+
+
+def trainer_for(
+    model: nn.Module, output_dir: Path, callbacks: list[Any] = (), dataset: Any = None, **args: Any
+) -> transformers.Trainer:
+    return transformers.Trainer(
+        model=model,
+        args=training_args(output_dir, **args),
+        train_dataset=token_dataset() if dataset is None else dataset,
+        callbacks=list(callbacks),
+    )
+
+
+def losses(trainer: transformers.Trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_same_parameters(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def plan_is_applied(model: nn.Module) -> bool:
+    # gradckpt.apply is the function; the module holds the registry of applied plans.
+    return model in importlib.import_module("gradckpt.apply")._installed
+
+
+def lora(model: nn.Module) -> nn.Module:
+    import peft
+
+    torch.manual_seed(1)  # LoRA's A matrices: the same in both runs
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0
+    )
+    return peft.get_peft_model(model, config)
+
+
+def count_profile_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The samples ``gradckpt.profile`` is called with by the callback, from now on."""
+    samples: list[Any] = []
+
+    def counting_profile(model: nn.Module, sample: Any, *args: Any, **kwargs: Any) -> Any:
+        samples.append(sample)
+        return profile(model, sample, *args, **kwargs)
+
+    monkeypatch.setattr(hf_trainer, "profile", counting_profile)
+    return samples
+
+
+@functools.cache
+def plain_run(
+    tmp_root: Path, accumulation_steps: int = 1, with_lora: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses and final parameters of the run without the callback."""
+    model = tiny_llama()
+    if with_lora:
+        model = lora(model)
+    trainer = trainer_for(
+        model, tmp_root / f"plain-{accumulation_steps}-{with_lora}",
+        gradient_accumulation_steps=accumulation_steps,
+    )
+    trainer.train()
+    return losses(trainer), parameters(model)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny matrices: one thread is fastest, and OpenMP threads spinning for a core another
+    # process holds made these tests ten times slower on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf_trainer")
+
+
+class RecordAtFirstStep(transformers.TrainerCallback):
+    """Whether a plan is applied when the first step begins (after every on_train_begin)."""
+
+    def __init__(self) -> None:
+        self.applied_at_first_step: bool | None = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs) -> None:
+        if self.applied_at_first_step is None:
+            self.applied_at_first_step = plan_is_applied(model)
+
+
+class MeterTheSteps(transformers.TrainerCallback):
+    """The memory meter around the training steps only: from the first step's beginning to the
+    last step's end, after profiling (whose steps run without checkpointing, above the budget).
+
+    On CPU the meter is torch's MemTracker, which refuses a second forward pass of the model in
+    one session ("MemTracker does not support memory tracking for multiple iterative calls")
+    unless its per-module statistics are cleared in between (``MemoryMeter.next_step``). Those
+    are not what the meter reads: it reads the running total of live tensors, which clearing
+    them leaves as it is. So they are cleared after every micro-batch."""
+
+    def __init__(self) -> None:
+        self.meter: MemoryMeter | None = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs) -> None:
+        if self.meter is None:
+            self.meter = MemoryMeter("cpu", model).__enter__()
+
+    def on_substep_end(self, args, state, control, **kwargs) -> None:
+        self.meter.next_step()
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step >= state.max_steps:
+            self.meter.__exit__(None, None, None)
+        else:
+            self.meter.next_step()
+
+
+def test_trains_exactly_as_without_the_callback(tmp_root: Path) -> None:
+    expected_losses, expected_parameters = plain_run(tmp_root)
+    model = tiny_llama()
+    callback = GradckptCallback(budget=BUDGET)
+    trainer = trainer_for(model, tmp_root / "exact", [callback])
+    trainer.train()
+    assert callback.plan is not None and callback.plan.segments  # something is recomputed
+    assert losses(trainer) == pytest.approx(expected_losses, rel=0, abs=1e-6)
+    assert_same_parameters(parameters(model), expected_parameters)
+
+
+def test_plans_once_before_the_first_step_and_logs_the_plan_once(
+    tmp_root: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiled = count_profile_calls(monkeypatch)
+    model = tiny_llama()
+    callback, recorder = GradckptCallback(budget=BUDGET), RecordAtFirstStep()
+    trainer = trainer_for(model, tmp_root / "once", [callback, recorder])
+    with caplog.at_level(logging.INFO, logger="gradckpt"):
+        trainer.train()
+        plan, measured = callback.plan, callback.profile
+        trainer.train()  # the same callback again: the plan is kept, nothing is profiled
+    assert recorder.applied_at_first_step is True
+    assert len(profiled) == 1 and callback.plan is plan and callback.profile is measured
+    messages = [r.getMessage() for r in caplog.records if r.name == "gradckpt"]
+    assert len(messages) == 1
+    for part in ("strategy optimal", "budget", "predicted peak", "reserved", "extra time"):
+        assert part in messages[0]
+    assert messages[0].endswith(str(plan))
+    assert plan_is_applied(model)  # left applied when training ends ...
+    gradckpt.disable(model)  # ... until disabled
+    assert not plan_is_applied(model)
+
+
+def test_budget_holds_with_the_optimizer_state_and_accumulated_gradients(tmp_root: Path) -> None:
+    expected_losses, expected_parameters = plain_run(tmp_root, accumulation_steps=2)
+    model = tiny_llama()
+    callback, metering = GradckptCallback(budget=BUDGET), MeterTheSteps()
+    trainer = trainer_for(
+        model, tmp_root / "memory", [callback, metering], gradient_accumulation_steps=2
+    )
+    trainer.train()
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # AdamW's two moments, and the gradients the first micro-batch leaves for the second.
+    assert callback.reserved_bytes == 2 * parameter_bytes + parameter_bytes
+    plan = callback.plan
+    assert plan.segments and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert metering.meter.peak() <= plan.budget_bytes * 1.03
+    assert losses(trainer) == pytest.approx(expected_losses, rel=0, abs=1e-6)
+    assert_same_parameters(parameters(model), expected_parameters)
+
+
+def test_lora_trains_exactly_as_without_the_callback(tmp_root: Path) -> None:
+    expected_losses, expected_parameters = plain_run(tmp_root, with_lora=True)
+    model = lora(tiny_llama())
+    callback = GradckptCallback(budget=BUDGET)
+    trainer = trainer_for(model, tmp_root / "lora", [callback])
+    trainer.train()
+    assert callback.plan.segments
+    assert losses(trainer) == pytest.approx(expected_losses, rel=0, abs=1e-6)
+    assert_same_parameters(parameters(model), expected_parameters)
+
+
+def test_transformers_own_checkpointing_gives_way_to_the_plan(tmp_root: Path) -> None:
+    expected_losses, expected_parameters = plain_run(tmp_root)
+    model = tiny_llama()
+    callback = GradckptCallback(budget=BUDGET)
+    trainer = trainer_for(model, tmp_root / "hf-gc", [callback], activation_checkpointing=True)
+    trainer.train()
+    assert losses(trainer) == pytest.approx(expected_losses, rel=0, abs=1e-6)
+    assert_same_parameters(parameters(model), expected_parameters)
+    assert plan_is_applied(model) and callback.plan.segments
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and not any(layer.gradient_checkpointing for layer in layers)
+
+
+class ShortBatches:
+    """A collator padding dynamically, to 20 tokens here, with the ``max_length`` and
+    ``tokenizer`` attributes of Transformers' padding collators."""
+
+    max_length = 48
+    tokenizer = SimpleNamespace(pad_token_id=7)
+
+    def __call__(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        input_ids = torch.stack([f["input_ids"][:20] for f in features])
+        return {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "labels": input_ids.clone(),
+        }
+
+
+def random_states(loader: torch.utils.data.DataLoader) -> list[Any]:
+    return [torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist(),
+            loader.generator.get_state()]
+
+
+def test_profiles_the_first_batch_padded_without_disturbing_any_random_state(
+    tmp_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiled = count_profile_calls(monkeypatch)
+    model = tiny_llama()
+    loader = torch.utils.data.DataLoader(
+        token_dataset(), batch_size=2, shuffle=True, collate_fn=ShortBatches(),
+        generator=torch.Generator().manual_seed(5),
+    )
+    first_batch = next(iter(loader))  # what the run will see first
+    loader.generator.manual_seed(5)
+    before = random_states(loader)
+    callback = GradckptCallback(budget="100%")
+    callback.on_train_begin(
+        training_args(tmp_root / "direct"), transformers.TrainerState(),
+        transformers.TrainerControl(), model=model, train_dataloader=loader, optimizer=None,
+    )
+    gradckpt.disable(model)
+    assert all(_same(a, b) for a, b in zip(random_states(loader), before, strict=True))
+    sample = profiled[0]
+    assert sample["input_ids"].shape == (2, 48)
+    assert torch.equal(sample["input_ids"][:, :20], first_batch["input_ids"])
+    assert (sample["input_ids"][:, 20:] == 7).all() and (sample["labels"][:, 20:] == -100).all()
+    assert (sample["attention_mask"][:, 20:] == 0).all()
+    assert callback.profile.blocks[0].input_bytes == 2 * 48 * 64 * 4  # the padded length
+    # No optimizer yet: the Trainer's default, AdamW, is counted.
+    assert callback.reserved_bytes == optimizer_state_bytes("adamw", model)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_an_unreadable_budget_or_strategy_is_refused_at_construction() -> None:
+    with pytest.raises(UsageError, match=r"GradckptCallback.*'6 gigs'.*'6GiB'.*'60%'"):
+        GradckptCallback(budget="6 gigs")
+    valid = "none, every-layer, sqrt, chen-greedy, optimal"
+    with pytest.raises(UsageError, match=rf"'fastest'.*{valid}"):
+        GradckptCallback(budget="60%", strategy="fastest")
+    with pytest.raises(UsageError, match=r"budget=None.*'optimal'"):
+        GradckptCallback(budget=None)
+    GradckptCallback(budget=None, strategy="sqrt")  # a fixed plan needs no budget
+
+
+@pytest.mark.parametrize("above_optimizer_state", [False, True])
+def test_an_infeasible_budget_leaves_the_model_as_it_was(
+    tmp_root: Path, above_optimizer_state: bool
+) -> None:
+    model = tiny_llama()
+    inputs = torch.randint(0, 256, (2, SEQUENCE_LENGTH), generator=torch.Generator().manual_seed(2))
+    expected = logits(model, inputs)
+    # Below AdamW's state alone, or above it by less than any step needs.
+    budget_bytes = 1024 + above_optimizer_state * optimizer_state_bytes("adamw", model)
+    callback = GradckptCallback(budget=budget_bytes)
+    trainer = trainer_for(model, tmp_root / f"infeasible-{above_optimizer_state}", [callback])
+    modes, use_cache = [m.training for m in model.modules()], model.config.use_cache
+    with pytest.raises(BudgetError, match="the optimizer's state.*raise the budget") as caught:
+        trainer.train()
+    assert caught.value.minimum_bytes > budget_bytes
+    assert callback.plan is None
+    assert not plan_is_applied(model)
+    assert [m.training for m in model.modules()] == modes
+    assert model.config.use_cache is use_cache  # the adapters were undone after profiling
+    assert torch.equal(logits(model, inputs), expected)
+
+
+def logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(3)  # the same dropout masks each time
+    with torch.no_grad():
+        return model(input_ids=inputs).logits
+
+
+class OneLinear(nn.Module):
+    """A model without a chain of blocks: one Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> CausalLMOutput:
+        prediction = self.linear(x).squeeze(-1)
+        return CausalLMOutput(loss=nn.functional.mse_loss(prediction, labels), logits=prediction)
+
+
+def test_a_model_without_blocks_asks_for_blocks(tmp_root: Path) -> None:
+    model = OneLinear()
+    features = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    dataset = [{"x": row, "labels": row.sum()} for row in features]
+    trainer = trainer_for(model, tmp_root / "no-blocks", [GradckptCallback(budget="90%")], dataset)
+    with pytest.raises(UsageError, match="blocks="):
+        trainer.train()
+    assert not plan_is_applied(model)
+
+
+def test_without_a_data_loader_asks_for_a_sample(tmp_root: Path) -> None:
+    with pytest.raises(UsageError, match=r"sample="):
+        GradckptCallback(budget="60%").on_train_begin(
+            training_args(tmp_root / "no-loader"), transformers.TrainerState(),
+            transformers.TrainerControl(), model=tiny_llama(),
+        )
