@@ -10,6 +10,7 @@ without gradckpt; Transformers' own switches have one behaviour; PEFT before or 
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -358,3 +359,30 @@ def test_qlora_a_4bit_bitsandbytes_base_with_lora_adapters(tmp_path) -> None:
     assert peak < plain_peak
     assert _identical(_lora_grads(model), _lora_grads(plain))
     gradckpt.disable(model)
+
+
+def test_mixed_precision_as_accelerate_applies_it_is_planned_as_it_runs() -> None:
+    """Accelerate (and the Trainer's ``bf16=True``) wraps the model's forward in
+    ``torch.autocast``: the blocks' matmuls save bf16 tensors. Profiling re-runs each block
+    under the autocast of its call in the step, so plans are predicted as they run (before,
+    a 50% plan of this model was predicted 7.3% under its measured peak)."""
+
+    def build() -> nn.Module:
+        model = predictions.fresh(FAMILIES[1])
+        model.forward = types.MethodType(
+            torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward), model)
+        return model
+
+    sample = predictions.causal_sample()
+    _, plain_grads = predictions.users_step(build(), sample, None)
+    model = build()
+    measured = gradckpt.profile(model, sample, repeats=1)
+    for share in (0.7, 0.5):
+        plan = gradckpt.solve(measured, int(share * measured.peak_bytes))
+        gradckpt.apply(model, plan)
+        peak, grads = predictions.users_step(model, sample, None)
+        gradckpt.disable(model)
+        assert plan.segments
+        assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
+        assert abs(plan.predicted_peak_bytes - peak) <= ALLOWANCE * peak, (share, plan, peak)
+        assert _identical(grads, plain_grads)

@@ -40,14 +40,14 @@ R5. Recomputation raises ``_RecomputationComplete`` the moment the last slot is 
     skips the rest of the region (invariant 6).
 """
 
-from .debug import debug_mode
-from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
-from .region import checkpoint
-
 # Internal interface for gradckpt's own stages (not the user API): what apply installs plans
 # with and what measuring shares with the engine, so that it records a block's call and tells
 # tensors apart exactly as the engine does. Later stages import these from here, never the
 # engine's underscore names, so that the engine's insides can change without them.
+from .ambient import AutocastSnapshot
+from .debug import debug_mode
+from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
+from .region import checkpoint
 from .segments import SegmentsHandle, checkpoint_segments, continues_chain
 from .tensors import detached_like, first_tensor, storage_key
 
@@ -59,6 +59,7 @@ __all__ = [
     "is_checkpointed",
     "debug_mode",
     # internal interface for gradckpt's own stages
+    "AutocastSnapshot",
     "checkpoint_segments",
     "SegmentsHandle",
     "continues_chain",

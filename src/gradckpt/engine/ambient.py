@@ -280,3 +280,8 @@ class _BufferGuard:
                 buffer.copy_(copy)
                 if version is not None:
                     torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
+
+
+# The internal interface's name (gradckpt.engine): measuring re-runs a block under the autocast
+# settings of its call in the step, as recomputation does.
+AutocastSnapshot = _AutocastSnapshot

@@ -164,10 +164,11 @@ def profile(
         for (name, module), call, gradient_bytes, forward_in_step in zip(
             named_blocks, calls, _gradient_bytes(modules), in_step_forward, strict=True
         ):
-            block, saved_sides, ratios = measure_block(
-                name, module, call, repeats, device, gradient_bytes, forward_in_step,
-                call.side_storages(model_storages),
-            )
+            with call.ambient():
+                block, saved_sides, ratios = measure_block(
+                    name, module, call, repeats, device, gradient_bytes, forward_in_step,
+                    call.side_storages(model_storages),
+                )
             measured.append(block)
             saved_side_inputs.append(saved_sides)
             time_ratios.append(ratios)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..engine import continues_chain, detached_like, first_tensor, storage_key
+from ..engine import AutocastSnapshot, continues_chain, detached_like, first_tensor, storage_key
 from ..errors import UsageError
 from .step import loss_of, run_model
 from .tensors import tensor_bytes
@@ -37,6 +37,14 @@ class BlockCall:
         if not tensors:
             raise UsageError("a block was called without a tensor argument: not a chain block")
         self.hidden = tensors[0]  # the chain's hidden state comes first (x = block(x, ...))
+        # Under mixed precision (torch.autocast around the model, as Accelerate and the
+        # Trainer's bf16=True put it) a block's matmuls save half-size tensors: re-runs must
+        # compute as the step did (``ambient``).
+        self.autocast = AutocastSnapshot([self.leaves[i] for i in tensors])
+
+    def ambient(self) -> Any:
+        """A context in which the block computes as in the step: its autocast settings."""
+        return self.autocast.replayed()
 
     def side_storages(self, excluded: set) -> dict[int, int]:
         """The storages of its other tensor arguments (masks, an encoder's output, rotary
