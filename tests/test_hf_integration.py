@@ -327,12 +327,16 @@ def test_gradckpt_checkpoint_without_rng_replay_around_dropout_warns_once() -> N
         gradckpt.checkpoint(dropout.eval(), x, preserve_rng_state=False).sum().backward()
 
 
-def test_qlora_a_4bit_bitsandbytes_base_with_lora_adapters(tmp_path) -> None:
+def test_qlora_a_4bit_bitsandbytes_base_with_lora_adapters(tmp_path, request) -> None:
     """QLoRA as recipes set it up (``prepare_model_for_kbit_training``, then LoRA), on
     bitsandbytes' CPU backend: fits the budget, predicted, the plain QLoRA gradients."""
     pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     predictions.llama().save_pretrained(tmp_path)
+    # Loading a quantized model fills torch's cached list of factory functions while
+    # torch.linspace and others are patched, so that later `with torch.device("meta")` blocks
+    # make those on the CPU (torch 2.13, transformers 5.25); start that cache afresh after.
+    request.addfinalizer(torch.utils._device._device_constructors.cache_clear)
 
     def build() -> nn.Module:
         quantized = transformers.AutoModelForCausalLM.from_pretrained(
