@@ -15,7 +15,7 @@ from .engine import (
     uncheckpoint_module,
 )
 from .errors import BudgetError, CheckpointError, GradckptError, GradckptWarning, UsageError
-from .measure import find_blocks, profile
+from .measure import estimate, find_blocks, profile
 from .plan import Plan
 from .policies import Fate, offload_matmuls, save_matmuls
 from .profile_types import BlockProfile, Profile
@@ -40,6 +40,7 @@ __all__ = [
     "debug_mode",
     "disable",
     "enable",
+    "estimate",
     "find_blocks",
     "is_checkpointed",
     "offload_matmuls",

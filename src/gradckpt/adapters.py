@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from torch import nn
 
 __all__ = [
-    "Adapter", "MEASURING", "Occasion", "register_adapter", "unregister_adapter", "adapt",
-    "adapted",
+    "Adapter", "ESTIMATING", "MEASURING", "Occasion", "register_adapter", "unregister_adapter",
+    "adapt", "adapted",
 ]
 
 
@@ -46,13 +46,17 @@ class Occasion:
     - ``plan_applied``: False while ``profile`` measures it, True from ``apply`` to ``disable``.
     - ``recomputes``: the applied plan recomputes at least one block (False for the plan
       "none", and while measuring).
+    - ``fake_tensors``: ``estimate`` runs the model on fake tensors, which have no values: an
+      integration whose model reads values to choose a code path says which to take.
     """
 
     plan_applied: bool = False
     recomputes: bool = False
+    fake_tensors: bool = False
 
 
 MEASURING = Occasion()
+ESTIMATING = Occasion(fake_tensors=True)
 
 Adapter = Callable[[nn.Module, Occasion], "Callable[[], None] | None"]
 

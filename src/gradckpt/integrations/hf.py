@@ -124,8 +124,10 @@ def adapt_transformers(model: nn.Module, occasion: Occasion) -> Callable[[], Non
         >>> model.is_activation_checkpointing
         False
     """
-    undos = [_caches_off_while_training(model)]
     pretrained = _pretrained_models(model)
+    if occasion.fake_tensors:
+        return _masks_as_for_unpadded_batches() if pretrained else None
+    undos = [_caches_off_while_training(model)]
     if pretrained:
         undos.append(_transformers_checkpointing_off(model))
         if occasion.plan_applied:
@@ -151,6 +153,37 @@ def _pretrained_models(model: nn.Module) -> list[nn.Module]:
         return []
     pretrained_class = transformers.PreTrainedModel
     return [module for module in model.modules() if isinstance(module, pretrained_class)]
+
+
+def _masks_as_for_unpadded_batches() -> Callable[[], None] | None:
+    """On fake tensors, let attention skip its mask as it does on a real batch without padding.
+
+    With no padding, Transformers passes SDPA no mask (``is_causal`` instead), which selects a
+    fused kernel that saves far less for backward than the masked path. To know there is no
+    padding it reads the padding mask's values, which fake tensors lack, so under
+    ``estimate`` it would build the mask and take the other path. ``estimate`` plans for
+    batches without padding (packed or equal-length sequences, as when a sample is all ones).
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        return None
+    originals = {}
+    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+        original = getattr(masking, name, None)
+        if original is None:
+            continue
+        originals[name] = original
+
+        def unpadded(padding_mask: Any, *args: Any, _original: Any = original, **kwargs: Any):
+            return _original(None, *args, **kwargs)
+
+        setattr(masking, name, unpadded)
+
+    def restore() -> None:
+        for name, original in originals.items():
+            setattr(masking, name, original)
+
+    return restore
 
 
 def _caches_off_while_training(model: nn.Module) -> Callable[[], None] | None:

@@ -4,7 +4,6 @@ and attention kernels (what ``policy="save-matmuls"`` keeps)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..engine import storage_key
 from ..policies import is_matmul_or_attention
+from . import clock
 from .recording import BlockCall
 from .tensors import tensor_bytes
 
@@ -31,9 +31,9 @@ class _OpTimer(TorchDispatchMode):
         self.producer: dict[int, str] = {}  # storage -> the operation that made it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        start = time.perf_counter()
+        start = clock.now()
         output = func(*args, **(kwargs or {}))
-        elapsed = time.perf_counter() - start
+        elapsed = clock.now() - start
         name = str(func.overloadpacket)
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from ..profile_types import BlockProfile
+from . import clock
 from .recording import BlockCall
 
 __all__ = [
@@ -105,7 +105,7 @@ class BlockForwardTimer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return clock.now()
 
     def _start(self, index: int, module: nn.Module, args: tuple) -> None:
         if self._marks is not None and index not in self._marks:
@@ -200,9 +200,9 @@ def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) ->
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock.now()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock.now() - start)
     return statistics.median(times)

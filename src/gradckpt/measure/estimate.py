@@ -1,0 +1,135 @@
+"""Predicting a model's profile without running it: ``estimate``.
+
+``estimate(model, sample, device="h100-80gb")`` runs exactly what ``profile`` runs (the user's
+step, each block on its own, the meter), but on fake tensors (``FakeTensorMode``): every tensor
+has its shape, dtype and storage size and none has memory or values. So the bytes come out as
+``profile`` measures them (the same recording, the same meter), and the model can be one this
+machine could never hold, built on the meta device. Times come from a ``ModeledClock``: each
+operation's roofline on the target device (``gradckpt.devices``).
+
+The model is left exactly as it was: its parameters and buffers are replaced by fake ones for
+the duration and put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from ..adapters import ESTIMATING, adapted
+from ..devices import DeviceSpec, device_spec
+from ..errors import UsageError
+from ..profile_types import Profile
+from .clock import ModeledClock
+from .profile import profile
+
+__all__ = ["estimate"]
+
+
+def estimate(
+    model: nn.Module,
+    sample: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    blocks: Any = None,
+    *,
+    device: str | DeviceSpec | dict | None = "this",
+    dtype: torch.dtype | None = None,
+    keep_output: bool = True,
+) -> Profile:
+    """Predict what ``gradckpt.profile`` would measure, without running the model for real.
+
+    Args:
+        model: the model; its parameters may be real, or on the meta device (a model too big
+            for this machine: ``with torch.device("meta"): model = Model(config)``).
+        sample: one batch, as for ``profile``; its tensors may be real or on the meta device.
+        loss_fn, blocks, keep_output: as for ``profile``.
+        device: the device the step will run on: a preset name (``"h100-80gb"``, see
+            ``gradckpt.devices.DEVICES``), ``"this"`` (this machine, its throughput measured
+            once), a ``DeviceSpec`` or a dict of numbers. Only times depend on it.
+        dtype: train in this floating dtype (parameters and floating buffers cast, as
+            ``model.to(dtype)`` would); default: as the model is.
+
+    The profile's ``notes["estimated_for"]`` names the device, and its times are rooflines
+    (the fastest the device could run each operation): an extra time predicted from them is
+    a share of the step, which real kernels keep better than absolute seconds.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.models import GPTConfig, TinyGPT
+        >>> with torch.device("meta"):  # no memory for weights
+        ...     model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+        >>> idx = torch.randint(0, 512, (2, 16), device="meta")
+        >>> predicted = estimate(model, {"idx": idx, "targets": idx}, device="h100-80gb")
+        >>> predicted.blocks[0].input_bytes == 2 * 16 * 32 * 4, predicted.notes["estimated_for"]
+        (True, 'h100-80gb')
+    """
+    spec = device_spec(device)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got "
+                         f"{dtype!r}")
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # Integrations whose models read values to choose a code path choose as for a real batch
+    # (Transformers: attention without padding takes its fused kernel).
+    with adapted(model, ESTIMATING), _fake_state(model, mode, dtype):
+        fake_sample = _fake_tree(sample, mode)
+        with mode, ModeledClock(spec):
+            predicted = profile(
+                model, fake_sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output,
+                repeats=1,
+            )
+    predicted.device = spec.kind
+    predicted.notes["estimated_for"] = spec.name
+    return predicted
+
+
+def _fake(tensor: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fake CPU tensor of ``tensor``'s shape and strides (``dtype`` for floating ones)."""
+    cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    with mode:
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=cast, device="cpu")
+
+
+def _fake_tree(tree: Any, mode: FakeTensorMode) -> Any:
+    """The sample with fake tensors; one tensor passed twice stays one (``labels=input_ids``)."""
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in fakes:
+            fakes[id(x)] = _fake(x, mode, None)
+        return fakes[id(x)]
+
+    return tree_map(fake, tree)
+
+
+@contextlib.contextmanager
+def _fake_state(
+    model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
+) -> Iterator[None]:
+    """Fake parameters and buffers in ``model`` for the duration; tied ones stay tied."""
+    originals: list[tuple[dict, str, Any]] = []
+    fakes: dict[int, Any] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, value in table.items():
+                if value is None:
+                    continue
+                if id(value) not in fakes:
+                    fake = _fake(value.detach(), mode, dtype)
+                    if isinstance(value, nn.Parameter):
+                        fake = nn.Parameter(fake, requires_grad=value.requires_grad)
+                    fakes[id(value)] = fake
+                originals.append((table, name, value))
+                table[name] = fakes[id(value)]
+    try:
+        yield
+    finally:
+        for table, name, value in originals:
+            table[name] = value
