@@ -124,3 +124,26 @@ def test_the_modeled_clock_is_a_roofline() -> None:
         a @ a
     assert clock.flops == 2 * 64**3
     assert clock.elapsed == pytest.approx(3 * 64 * 64 * 4 / 1e9)  # memory-bound at this size
+
+
+def test_the_optimizer_state_is_in_the_peak_and_the_memory_is_broken_down() -> None:
+    case = next(case for case in predictions.CASES if case.name == "peft-llama")
+    sample = case.sample()
+    model = predictions.fresh(case)
+    without = gradckpt.estimate(model, sample, device="a100-80gb")
+    with_adamw = gradckpt.estimate(model, sample, device="a100-80gb", optimizer="adamw")
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert with_adamw.peak_bytes - without.peak_bytes == 2 * trainable  # LoRA: adapters only
+    assert with_adamw.fixed_bytes - without.fixed_bytes == 2 * trainable
+    parts = with_adamw.notes["memory_parts"]
+    assert parts["optimizer state"] == 2 * trainable
+    assert parts["gradients (trainable parameters)"] == trainable
+    assert parts["parameters"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert parts["CUDA context and allocator reserve (outside the peak)"] == 2 * 2**30
+    assert with_adamw.notes["largest_part"] == max(parts, key=parts.get)
+    assert with_adamw.notes["device_usable_bytes"] == 78 * 2**30
+    # A plan solved from it holds the state too.
+    plan = gradckpt.solve(with_adamw, with_adamw.peak_bytes)
+    assert plan.predicted_peak_bytes == with_adamw.peak_bytes
+    with pytest.raises(gradckpt.UsageError, match="adamw-8bit"):
+        gradckpt.estimate(model, sample, device="a100-80gb", optimizer="adafactorr")

@@ -22,7 +22,8 @@ from torch import nn
 from .errors import UsageError
 
 __all__ = [
-    "OPTIMIZER_STATES_PER_PARAMETER", "accumulated_gradient_bytes", "optimizer_state_bytes",
+    "OPTIMIZER_STATES_PER_PARAMETER", "OPTIMIZER_STATE_BYTES_PER_PARAMETER",
+    "accumulated_gradient_bytes", "optimizer_state_bytes",
 ]
 
 # Tensors of a parameter's shape and dtype that each optimizer keeps per trainable parameter,
@@ -34,6 +35,12 @@ OPTIMIZER_STATES_PER_PARAMETER: dict[str, int] = {
 }
 
 
+# Optimizers whose state is not in the parameter's dtype: bytes per trainable parameter.
+# bitsandbytes' 8-bit AdamW keeps both moments in one byte each (plus block-wise scales,
+# under 1% more, left out).
+OPTIMIZER_STATE_BYTES_PER_PARAMETER: dict[str, int] = {"adamw-8bit": 2, "adam-8bit": 2}
+
+
 def _trainable(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     unique = {id(p): p for p in parameters if p.requires_grad}
     return list(unique.values())
@@ -43,7 +50,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | str | None, model: 
     """Bytes of state ``optimizer`` will keep for ``model``'s trainable parameters.
 
     ``optimizer`` is an optimizer instance, a class name from ``OPTIMIZER_STATES_PER_PARAMETER``
-    (case-insensitive; ``"adam"`` and ``"adamw"`` alike) or ``None`` (no state). An instance
+    (case-insensitive; ``"adam"`` and ``"adamw"`` alike), ``"adamw-8bit"`` (bitsandbytes) or
+    ``None`` (no state). An instance
     counts the parameters it was given; SGD keeps one buffer only with momentum, RMSprop one
     more with momentum and another when centered. State already created (after a step) is
     counted as it is.
@@ -51,20 +59,23 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | str | None, model: 
     Example:
         >>> import torch
         >>> layer = torch.nn.Linear(4, 4)  # 20 parameters, fp32
-        >>> optimizer_state_bytes("adamw", layer)
-        160
+        >>> optimizer_state_bytes("adamw", layer), optimizer_state_bytes("adamw-8bit", layer)
+        (160, 40)
         >>> optimizer_state_bytes(torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9), layer)
         80
     """
     if optimizer is None:
         return 0
     if isinstance(optimizer, str):
+        name = optimizer.lower()
+        trainable = _trainable(model.parameters())
+        if name in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
+            return OPTIMIZER_STATE_BYTES_PER_PARAMETER[name] * sum(p.numel() for p in trainable)
         by_lower_name = {name.lower(): n for name, n in OPTIMIZER_STATES_PER_PARAMETER.items()}
-        if optimizer.lower() not in by_lower_name:
-            known = ", ".join(sorted(by_lower_name))
+        if name not in by_lower_name:
+            known = ", ".join(sorted([*by_lower_name, *OPTIMIZER_STATE_BYTES_PER_PARAMETER]))
             raise UsageError(f"unknown optimizer {optimizer!r}; known: {known}")
-        per_parameter = by_lower_name[optimizer.lower()]
-        return per_parameter * sum(_bytes(p) for p in _trainable(model.parameters()))
+        return by_lower_name[name] * sum(_bytes(p) for p in trainable)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(
             "optimizer must be a torch.optim.Optimizer, a name or None; got "

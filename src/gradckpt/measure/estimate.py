@@ -26,10 +26,11 @@ from ..adapters import ESTIMATING, adapted
 from ..devices import DeviceSpec, device_spec
 from ..errors import UsageError
 from ..profile_types import Profile
+from ..reserved import optimizer_state_bytes
 from .clock import ModeledClock
 from .profile import profile
 
-__all__ = ["estimate"]
+__all__ = ["CUDA_RESERVE", "CUDA_RESERVE_BYTES", "estimate", "memory_parts"]
 
 
 def estimate(
@@ -39,6 +40,7 @@ def estimate(
     blocks: Any = None,
     *,
     device: str | DeviceSpec | dict | None = "this",
+    optimizer: str | None = None,
     dtype: torch.dtype | None = None,
     keep_output: bool = True,
 ) -> Profile:
@@ -52,12 +54,23 @@ def estimate(
         device: the device the step will run on: a preset name (``"h100-80gb"``, see
             ``gradckpt.devices.DEVICES``), ``"this"`` (this machine, its throughput measured
             once), a ``DeviceSpec`` or a dict of numbers. Only times depend on it.
+        optimizer: the optimizer's state, alive from the second step on, is counted in the
+            peak and in ``fixed_bytes`` (so every plan solved from this profile holds it):
+            ``"adamw"`` / ``"adam"`` (two moments per trainable parameter), ``"sgd"`` (none;
+            ``"sgd"`` with momentum: pass a ``torch.optim`` name from
+            ``gradckpt.reserved.OPTIMIZER_STATES_PER_PARAMETER``), ``"adamw-8bit"``
+            (bitsandbytes: two bytes per parameter) or ``None`` (not counted).
         dtype: train in this floating dtype (parameters and floating buffers cast, as
             ``model.to(dtype)`` would); default: as the model is.
 
-    The profile's ``notes["estimated_for"]`` names the device, and its times are rooflines
-    (the fastest the device could run each operation): an extra time predicted from them is
-    a share of the step, which real kernels keep better than absolute seconds.
+    What the memory is made of is in ``notes["memory_parts"]`` (parameters, gradients of the
+    trainable ones, optimizer state, the activations a step without checkpointing keeps, the
+    logits and loss, and, on a GPU, the CUDA context and allocator reserve, which the device
+    loses but the peak, as ``max_memory_allocated`` measures it, does not count), the largest
+    in ``notes["largest_part"]``, and what the device has for the peak in
+    ``notes["device_usable_bytes"]``. ``notes["estimated_for"]`` names the device, and the
+    times are rooflines (the fastest the device could run each operation): an extra time
+    predicted from them is a share of the step, which real kernels keep better than seconds.
 
     Example:
         >>> import torch, gradckpt
@@ -83,9 +96,50 @@ def estimate(
                 model, fake_sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output,
                 repeats=1,
             )
+    optimizer_bytes = optimizer_state_bytes(optimizer, model)
+    predicted.fixed_bytes += optimizer_bytes
+    predicted.peak_bytes += optimizer_bytes
     predicted.device = spec.kind
-    predicted.notes["estimated_for"] = spec.name
+    parts = memory_parts(model, predicted, optimizer_bytes, dtype, spec)
+    predicted.notes.update(
+        estimated_for=spec.name,
+        memory_parts=parts,
+        largest_part=max(parts, key=parts.get),
+        device_usable_bytes=spec.memory_bytes - parts.get(CUDA_RESERVE, 0),
+    )
     return predicted
+
+
+# What a process on a GPU loses before its first tensor and never sees in
+# max_memory_allocated(): the CUDA context (kernels, cuBLAS/cuDNN workspaces: 0.5-1 GiB on
+# recent GPUs and drivers) and the caching allocator's fragmentation. A fixed allowance.
+CUDA_RESERVE = "CUDA context and allocator reserve (outside the peak)"
+CUDA_RESERVE_BYTES = 2 * 2**30
+
+
+def memory_parts(
+    model: nn.Module, predicted: Profile, optimizer_bytes: int, dtype: torch.dtype | None,
+    spec: DeviceSpec,
+) -> dict[str, int]:
+    """The step's memory by what it is for (sizes, not one instant: they need not sum to the
+    peak, since activations are freed as gradients are made)."""
+
+    def size(p: torch.Tensor) -> int:
+        cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        return p.numel() * cast.itemsize
+
+    unique = {id(p): p for p in model.parameters()}.values()
+    parts = {
+        "parameters": sum(size(p) for p in unique),
+        "gradients (trainable parameters)": sum(size(p) for p in unique if p.requires_grad),
+        "optimizer state": optimizer_bytes,
+        "activations kept for backward (no checkpointing)": sum(
+            b.saved_bytes + b.side_bytes for b in predicted.blocks),
+        "logits, loss and their gradients (the output head)": predicted.head_bytes,
+    }
+    if spec.kind == "cuda":
+        parts[CUDA_RESERVE] = CUDA_RESERVE_BYTES
+    return {name: value for name, value in parts.items() if value}
 
 
 def _fake(tensor: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> torch.Tensor:
