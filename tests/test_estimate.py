@@ -147,3 +147,10 @@ def test_the_optimizer_state_is_in_the_peak_and_the_memory_is_broken_down() -> N
     assert plan.predicted_peak_bytes == with_adamw.peak_bytes
     with pytest.raises(gradckpt.UsageError, match="adamw-8bit"):
         gradckpt.estimate(model, sample, device="a100-80gb", optimizer="adafactorr")
+
+
+def test_the_example_in_docs_estimate_runs() -> None:
+    pytest.importorskip("transformers")
+    page = Path(__file__).resolve().parents[1] / "docs" / "estimate.md"
+    block = page.read_text().split("```python\n")[1].split("```")[0]
+    exec(compile(block, str(page), "exec"), {"__name__": "docs_example"})
