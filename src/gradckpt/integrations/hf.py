@@ -162,7 +162,7 @@ def _masks_as_for_unpadded_batches() -> Callable[[], None] | None:
     fused kernel that saves far less for backward than the masked path. To know there is no
     padding it reads the padding mask's values, which fake tensors lack, so under
     ``estimate`` it would build the mask and take the other path. ``estimate`` plans for
-    batches without padding (packed or equal-length sequences, as when a sample is all ones).
+    batches without padding and one sequence per row.
     """
     masking = sys.modules.get("transformers.masking_utils")
     if masking is None:
@@ -178,6 +178,11 @@ def _masks_as_for_unpadded_batches() -> Callable[[], None] | None:
             return _original(None, *args, **kwargs)
 
         setattr(masking, name, unpadded)
+    # Packed sequences (several per row, told apart by position_ids restarting) are found by
+    # reading position_ids; without values, as for rows of one sequence each.
+    if hasattr(masking, "find_packed_sequence_indices"):
+        originals["find_packed_sequence_indices"] = masking.find_packed_sequence_indices
+        masking.find_packed_sequence_indices = lambda position_ids, *args, **kwargs: None
 
     def restore() -> None:
         for name, original in originals.items():
