@@ -151,3 +151,28 @@ def test_the_example_in_docs_estimate_runs() -> None:
     page = Path(__file__).resolve().parents[1] / "docs" / "estimate.md"
     block = page.read_text().split("```python\n")[1].split("```")[0]
     exec(compile(block, str(page), "exec"), {"__name__": "docs_example"})
+
+
+def test_world_size_makes_the_profile_one_sharding_ranks() -> None:
+    case = next(case for case in predictions.CASES if case.name == "llama")
+    sample = case.sample()
+    model = predictions.fresh(case)
+    whole = gradckpt.estimate(model, sample, device="h100-80gb", optimizer="adamw")
+    per_rank = gradckpt.estimate(model, sample, device="h100-80gb", optimizer="adamw",
+                                 world_size=4)
+    before, after = whole.notes["memory_parts"], per_rank.notes["memory_parts"]
+    for part in ("parameters", "gradients (trainable parameters)", "optimizer state"):
+        assert after[part] == before[part] // 4
+    assert after["activations kept for backward (no checkpointing)"] == before[
+        "activations kept for backward (no checkpointing)"]
+    gathered = after["gathered in full while a block computes (FSDP)"]
+    assert gathered >= 2 * sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    assert per_rank.notes["world_size"] == 4
+    assert per_rank.peak_bytes < whole.peak_bytes
+    # Its peak is the cost model's for the plain step, as every plan's is: budgets are per rank.
+    assert gradckpt.solve(per_rank, None, "none").predicted_peak_bytes == per_rank.peak_bytes
+    plan = gradckpt.solve(per_rank, "70%")
+    assert plan.segments and plan.predicted_peak_bytes <= plan.budget_bytes
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(gradckpt.UsageError, match="world_size"):
+            gradckpt.estimate(model, sample, device="h100-80gb", world_size=bad)

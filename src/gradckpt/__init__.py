@@ -15,10 +15,11 @@ from .engine import (
     uncheckpoint_module,
 )
 from .errors import BudgetError, CheckpointError, GradckptError, GradckptWarning, UsageError
-from .measure import estimate, find_blocks, profile
+from .measure import find_blocks, profile
 from .plan import Plan
 from .policies import Fate, offload_matmuls, save_matmuls
 from .profile_types import BlockProfile, Profile
+from .sharding import estimate
 from .solvers import solve
 
 __version__ = "0.1.0"

@@ -12,11 +12,13 @@ __all__ = ["PlanTarget", "BUILTIN_MODELS", "builtin_list"]
 
 @dataclass
 class PlanTarget:
-    """A model to plan, the batch it trains on, and a few words saying what it is."""
+    """A model to plan, the batch it trains on, and a few words saying what it is;
+    ``config_dtype``: the floating dtype its config names (``torch_dtype``), if any."""
 
     model: Any
     sample: Any
     description: str
+    config_dtype: str | None = None
 
 
 def _tinygpt(layers: int) -> Callable[[int, int], PlanTarget]:

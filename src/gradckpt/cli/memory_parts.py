@@ -11,11 +11,12 @@ if TYPE_CHECKING:
     from gradckpt.plan import Plan
     from gradckpt.profile_types import Profile
 
-__all__ = ["memory_parts"]
+__all__ = ["memory_parts", "retained_activation_bytes"]
 
 
 def memory_parts(
-    model: nn.Module, profile: Profile, plan: Plan, optimizer_bytes: int
+    model: nn.Module, profile: Profile, plan: Plan, optimizer_bytes: int,
+    optimizer_name: str = "Adam",
 ) -> list[tuple[str, int]]:
     """What takes the step's memory at the predicted peak, part by part.
 
@@ -32,7 +33,7 @@ def memory_parts(
     gradient_bytes = sum(
         p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
     )
-    activation_bytes = _retained_activation_bytes(profile, plan)
+    activation_bytes = retained_activation_bytes(profile, plan)
     head_bytes = getattr(profile, "head_bytes", 0)  # the logits, mostly, where profiled
     parts = [
         ("parameters", parameter_bytes),
@@ -42,7 +43,7 @@ def memory_parts(
     if head_bytes:
         parts.append(("logits and loss (the output head)", head_bytes))
     if optimizer_bytes:
-        parts.append(("optimizer state (Adam, predicted)", optimizer_bytes))
+        parts.append((f"optimizer state ({optimizer_name}, predicted)", optimizer_bytes))
     # The plan's predicted peak counts the optimizer's state (enable.solve_reserving).
     rest = plan.predicted_peak_bytes - parameter_bytes - gradient_bytes - activation_bytes
     rest -= head_bytes + optimizer_bytes
@@ -51,8 +52,21 @@ def memory_parts(
     return parts
 
 
-def _retained_activation_bytes(profile: Profile, plan: Plan) -> int:
-    """What the chain keeps for backward at the end of the forward pass under the plan."""
+def retained_activation_bytes(profile: Profile, plan: Plan) -> int:
+    """What the chain keeps for backward at the end of the forward pass under the plan: what
+    its kept blocks save, each segment's input, the matmul outputs a policy keeps, and the side
+    inputs (an encoder's output the decoder saves), which stay whatever the plan.
+
+    Example:
+        >>> from gradckpt import solve
+        >>> from gradckpt.profile_types import BlockProfile
+        >>> from gradckpt.cli.sqrt_table import homogeneous_chain
+        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 4)
+        >>> retained_activation_bytes(chain, solve(chain, None, "none"))  # 4 blocks x 50
+        200
+        >>> retained_activation_bytes(chain, solve(chain, None, "every-layer"))  # 4 inputs
+        40
+    """
     blocks = profile.blocks
     covered = {index for segment in plan.segments for index in segment.blocks()}
     kept = sum(block.saved_bytes for index, block in enumerate(blocks) if index not in covered)
@@ -63,4 +77,5 @@ def _retained_activation_bytes(profile: Profile, plan: Plan) -> int:
         if segment.policy and not segment.children
         for index in segment.blocks()
     )
-    return kept + inputs + matmuls
+    sides = sum(block.side_bytes for block in blocks)
+    return kept + inputs + matmuls + sides

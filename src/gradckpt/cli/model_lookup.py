@@ -1,34 +1,49 @@
 """What MODEL on the ``gradckpt plan`` command line names: a Hugging Face config.json (or a
-folder holding one), a built-in name, or ``package.module:factory``."""
+folder holding one), a built-in name, a known config (``llama-3-8b``: hyper-parameters only) or
+``package.module:factory``.
+
+For ``--estimate`` (``on_meta=True``) configs are built on the meta device and trained on meta
+tensors: parameters and batches with shapes and no memory, so a model far larger than this
+machine plans here. Built-ins and factories are built as they always are (small, or the user's
+own code, which may need real tensors); ``estimate`` runs them on fake tensors all the same.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import json
 import os
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gradckpt.integrations import hf
 
 from .builtin_models import BUILTIN_MODELS, PlanTarget
 from .errors import CommandLineError, one_line
+from .known_configs import KNOWN_CONFIGS
 
-__all__ = ["resolve_model"]
+__all__ = ["build_known_model", "check_measurable", "resolve_model"]
 
 
 _FACTORY_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
-def resolve_model(spec: str, batch: int, seq: int) -> PlanTarget:
-    """The model MODEL names: a config.json or a folder with one, a built-in, or a factory.
+def resolve_model(spec: str, batch: int, seq: int, *, on_meta: bool = False) -> PlanTarget:
+    """The model MODEL names: a config.json or a folder with one, a built-in, a known config,
+    or a factory. ``on_meta``: configs built on the meta device, with a meta batch.
 
     Example:
         >>> target = resolve_model("mlp-chain", batch=2, seq=3)
         >>> target.description, tuple(target.sample.shape)
         ('mlp_chain(16, 256)', (2, 3, 256))
+        >>> target = resolve_model("gpt2-xl", batch=1, seq=64, on_meta=True)
+        >>> target.sample["input_ids"].device.type, len(target.model.transformer.h)
+        ('meta', 48)
     """
     path = Path(spec)
     if path.is_dir():
@@ -36,30 +51,88 @@ def resolve_model(spec: str, batch: int, seq: int) -> PlanTarget:
         if not path.is_file():
             raise FileNotFoundError(f"folder {spec} holds no config.json")
     if path.is_file():
-        return _from_config_json(path, batch, seq)
+        return _from_config_json(path, batch, seq, on_meta)
     if spec in BUILTIN_MODELS:
         return BUILTIN_MODELS[spec][1](batch, seq)
+    if spec in KNOWN_CONFIGS:
+        return _from_known_config(spec, batch, seq, on_meta)
     if _FACTORY_PATTERN.fullmatch(spec):
         return _from_factory(spec, batch, seq)
     if spec.endswith(".json") or os.sep in spec:
         raise FileNotFoundError(f"no such file: {spec}")
     raise CommandLineError(
         f"unknown model {spec!r}: give a Hugging Face config.json (or a folder holding one), "
-        f"a built-in name ({', '.join(BUILTIN_MODELS)}; see 'gradckpt plan --list') or "
-        "package.module:factory"
+        f"a built-in name ({', '.join(BUILTIN_MODELS)}), a known config "
+        f"({', '.join(KNOWN_CONFIGS)}; see 'gradckpt plan --list') or package.module:factory"
     )
 
 
-def _from_config_json(path: Path, batch: int, seq: int) -> PlanTarget:
+def _from_config_json(path: Path, batch: int, seq: int, on_meta: bool) -> PlanTarget:
+    import torch
+
     try:
-        model = hf.model_from_config_json(path)
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            model = hf.model_from_config_json(path)
     except hf.NoLanguageModelError as error:
         raise ValueError(
             f"{error}; plan it with package.module:factory (a function returning the model and "
             "a sample)"
         ) from None
-    sample = hf.token_sample(model, batch, seq)
-    return PlanTarget(model, sample, f"{type(model).__name__} from {path}")
+    sample = _meta_token_sample(batch, seq) if on_meta else hf.token_sample(model, batch, seq)
+    return PlanTarget(
+        model, sample, f"{type(model).__name__} from {path}",
+        config_dtype=_config_dtype(json.loads(path.read_text())),
+    )
+
+
+def _from_known_config(name: str, batch: int, seq: int, on_meta: bool) -> PlanTarget:
+    known = KNOWN_CONFIGS[name]
+    model = build_known_model(name, on_meta=on_meta)
+    sample = _meta_token_sample(batch, seq) if on_meta else hf.token_sample(model, batch, seq)
+    description = f"{type(model).__name__} {name} ({known.source}'s config, no weights)"
+    return PlanTarget(model, sample, description, config_dtype=known.dtype)
+
+
+def build_known_model(name: str, *, on_meta: bool) -> Any:
+    """The causal language model of a known config: random weights, or on the meta device.
+
+    Example:
+        >>> model = build_known_model("llama-3-8b", on_meta=True)  # shapes only: no memory
+        >>> sum(p.numel() for p in model.parameters()), model.config.use_cache
+        (8030261248, False)
+    """
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            f"{name} is a Hugging Face Transformers config: pip install 'gradckpt[hf]'"
+        ) from None
+    config = transformers.AutoConfig.for_model(**KNOWN_CONFIGS[name].settings)
+    config.use_cache = False  # training: the key/value cache only costs memory
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _meta_token_sample(batch: int, seq: int) -> dict[str, Any]:
+    """``input_ids`` and ``labels`` of shape (batch, seq) as meta tensors: shapes, no memory
+    (``estimate`` needs no values: it plans for batches without padding)."""
+    import torch
+
+    return {
+        "input_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta"),
+        "labels": torch.zeros(batch, seq, dtype=torch.long, device="meta"),
+    }
+
+
+def _config_dtype(settings: Any) -> str | None:
+    """The dtype a config.json names (``dtype`` in Transformers 5, ``torch_dtype`` before),
+    when it is a floating one; else None."""
+    if not isinstance(settings, dict):
+        return None
+    name = settings.get("dtype") or settings.get("torch_dtype")
+    return name if name in ("float32", "bfloat16", "float16") else None
 
 
 def _from_factory(spec: str, batch: int, seq: int) -> PlanTarget:
@@ -107,3 +180,28 @@ def _parameter_names(function: Callable) -> set[str]:
         return set(inspect.signature(function).parameters)
     except (TypeError, ValueError):
         return set()
+
+
+def check_measurable(name: str, device: Any) -> None:
+    """Refuse to measure a known config whose parameters and gradients alone (fp32, as it is
+    built for measuring) need more than ``device`` has, before allocating any of it: such a
+    model is for ``--estimate``.
+
+    Example:
+        >>> check_measurable("llama-3-8b", "cpu")  # doctest: +SKIP
+        Traceback (most recent call last):
+        ...
+        gradckpt.cli.errors.CommandLineError: llama-3-8b: measuring it here needs its ...
+    """
+    from gradckpt.budget import available_bytes, format_bytes
+
+    model = build_known_model(name, on_meta=True)  # shapes only, to count the bytes
+    needed_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    room_bytes = available_bytes(device)
+    if needed_bytes > room_bytes:
+        raise CommandLineError(
+            f"{name}: measuring it here needs its parameters and gradients, "
+            f"{format_bytes(needed_bytes)} in fp32 before any activation, and {device} has "
+            f"{format_bytes(room_bytes)}; predict its plan with --estimate instead (no memory, "
+            f"no weights), e.g. gradckpt plan {name} --estimate --device h100-80gb --budget 70GiB"
+        )

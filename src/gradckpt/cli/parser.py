@@ -14,6 +14,7 @@ from gradckpt import __version__
 
 from .demo import run_demo
 from .demo_size import DEFAULT_DEMO, QUICK_DEMO
+from .estimate import DTYPES
 from .plan import run_plan
 
 __all__ = ["EXAMPLES", "build_parser"]
@@ -23,10 +24,12 @@ EXAMPLES = """\
 examples:
   gradckpt demo                                   # about a minute on a laptop CPU
   gradckpt demo --quick --out /tmp/demo           # seconds; plots in /tmp/demo
-  gradckpt plan --list                            # the built-in models
+  gradckpt plan --list                            # the built-in models and known configs
   gradckpt plan tinygpt --batch 8 --seq 128 --budget 60%
   gradckpt plan path/to/config.json --batch 1 --seq 2048 --budget 6GiB --optimizer adam
   gradckpt plan mypackage.models:build --budget 2GiB --json plan.json --plot frontier.png
+  gradckpt plan llama-3-8b --estimate --device h100 --batch 1 --seq 8192 --budget 70GiB \\
+      --optimizer adamw                           # predicted: no GPU, no weights, < 1 min
 """
 
 
@@ -133,20 +136,37 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
     plan = commands.add_parser(
         "plan",
         parents=[debug_parent],
-        help="profile a model and print the checkpointing plan for a budget",
+        help="profile (or --estimate) a model and print the checkpointing plan for a budget",
         description=_paragraph(
             "Profile one training step of MODEL on this machine, solve for the budget and "
             "print the plan: what happens to each block, the predicted peak and extra time, "
             "and what takes the memory. MODEL is a Hugging Face config.json (or a folder "
             "holding one; the model is built with random weights, nothing is downloaded), a "
-            "built-in name (--list), or package.module:factory, a function returning a module "
-            "or (module, sample); it gets batch= and seq= when it takes them."
+            "built-in name or a known config of a well-known model such as llama-3-8b "
+            "(hyper-parameters only; --list shows them), or package.module:factory, a function "
+            "returning a module or (module, sample); it gets batch= and seq= when it takes "
+            "them."
+        )
+        + "\n\n"
+        + _paragraph(
+            "With --estimate nothing runs for real: the step is predicted on fake tensors for "
+            "the target device named by --device (configs are built on the meta device, with "
+            "no weights), so models this machine cannot hold plan in under a minute; it also "
+            "prints whether the plan fits the device."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument("model", nargs="?", metavar="MODEL", help="what to plan (see above)")
-    plan.add_argument("--list", action="store_true", help="list the built-in models and exit")
+    plan.add_argument(
+        "--list", action="store_true", help="list the built-in models and known configs, and exit"
+    )
+    plan.add_argument(
+        "--estimate",
+        action="store_true",
+        help="predict instead of measuring: the step runs on fake tensors (no memory; configs "
+        "built on the meta device, no weights), its times are rooflines of the target --device",
+    )
     plan.add_argument("--batch", type=_positive_int, default=4, help="batch size (default 4)")
     plan.add_argument(
         "--seq", type=_positive_int, default=128, help="tokens per sequence (default 128)"
@@ -154,7 +174,8 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
     plan.add_argument(
         "--budget",
         help="peak memory of a training step: 6GiB, 512MiB, 6GB, 60%% (of the peak without "
-        "checkpointing) or auto; needed by the optimal and chen-greedy strategies",
+        "checkpointing) or auto (what the device has free; with --estimate, what the target "
+        "device has for the peak); needed by the optimal and chen-greedy strategies",
     )
     plan.add_argument(
         "--strategy",
@@ -163,9 +184,18 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
     )
     plan.add_argument(
         "--optimizer",
-        choices=["none", "adam"],
+        choices=["none", "adam", "adamw", "adamw-8bit", "sgd"],
         default="none",
-        help="adam: count Adam's state (2 fp32 values per parameter) in the peak and budget",
+        help="count the optimizer's state in the peak and budget: adam or adamw (2 values per "
+        "trainable parameter, in its dtype), adamw-8bit (bitsandbytes: 2 bytes per parameter), "
+        "sgd (none, without momentum); default none",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="with --estimate: train in this dtype (parameters, gradients, optimizer state and "
+        "activations, as model.to(dtype) does); default: the config's torch_dtype, else the "
+        "model's own (fp32)",
     )
     plan.add_argument(
         "--drop-output",
@@ -174,10 +204,21 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         "Trainer does; by default it is held through backward (out = model(**batch); "
         "out.loss.backward()), which for a language model keeps the logits alive",
     )
-    plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (Plan.from_json)")
+    plan.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write the plan as JSON (Plan.from_json); with --estimate, an object holding the "
+        "plan, the profile's totals, the device and the memory parts (docs/cli.md)",
+    )
     plan.add_argument("--plot", metavar="FILE", help="write the memory/time frontier as a PNG")
     plan.add_argument(
-        "--device", default="auto", help="where to profile: auto (default), cpu, cuda, cuda:1, ..."
+        "--device",
+        help="where to profile: auto (default: cuda when there is one), cpu, cuda, cuda:1, ...; "
+        "with --estimate, the target device the plan is for: a preset (h100-80gb, "
+        "h100-pcie-80gb, h200-141gb, a100-80gb, a100-40gb, l4-24gb, rtx4090-24gb; aliases "
+        "such as h100, a100, 4090), this (default: this machine, measured once) or a JSON "
+        'object of numbers: \'{"memory": "48GiB", "bf16_tflops": 180, "fp32_tflops": 90, '
+        '"bandwidth_gbps": 960}\'',
     )
     plan.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     plan.set_defaults(func=run_plan)

@@ -1,4 +1,6 @@
-"""``gradckpt plan``: profile MODEL, solve for the budget, print (and write) the plan."""
+"""``gradckpt plan``: profile MODEL, solve for the budget, print (and write) the plan.
+
+With ``--estimate`` the profile is predicted instead (``estimate.run_estimate``)."""
 
 from __future__ import annotations
 
@@ -9,17 +11,21 @@ from typing import TYPE_CHECKING
 from .builtin_models import builtin_list
 from .devices import resolve_device, to_device
 from .errors import CommandLineError
-from .frontier import optimal_frontier
+from .estimate import run_estimate, target_device
+from .frontier import plot_plan
+from .known_configs import KNOWN_CONFIGS, known_config_rows
 from .memory_parts import memory_parts
-from .model_lookup import resolve_model
+from .model_lookup import check_measurable, resolve_model
 from .profiling import profile_with_bar
 from .progress import stage
 
 if TYPE_CHECKING:
-    from gradckpt.plan import Plan
-    from gradckpt.profile_types import Profile
+    import torch
 
-__all__ = ["run_plan"]
+__all__ = ["run_plan", "model_list"]
+
+# How the measured plan's report names each optimizer's state.
+_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adamw-8bit": "8-bit AdamW", "sgd": "SGD"}
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -40,21 +46,27 @@ def run_plan(args: argparse.Namespace) -> int:
     from gradckpt.reserved import optimizer_state_bytes
 
     if args.list:
-        print(builtin_list())
+        print(model_list())
         return 0
     _check_plan_arguments(args)
-    device = resolve_device(args.device)
     torch.manual_seed(args.seed)
+    if args.estimate:
+        return run_estimate(args)
+    device = _measuring_device(args.device)
+    if args.model in KNOWN_CONFIGS:
+        check_measurable(args.model, device)
     stage(f"building {args.model}")
     target = resolve_model(args.model, args.batch, args.seq)
     model = target.model.to(device).train()
     sample = to_device(target.sample, device)
     stage("profiling one training step and each block")
     profile = profile_with_bar(model, sample, keep_output=not args.drop_output)
-    optimizer_bytes = optimizer_state_bytes(None if args.optimizer == "none" else "adam", model)
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    optimizer_name = _OPTIMIZER_NAMES.get(args.optimizer, args.optimizer)
+    optimizer_bytes = optimizer_state_bytes(optimizer, model)
     plan = solve_reserving(
         profile, args.budget, args.strategy, reserved_bytes=optimizer_bytes,
-        reserved_for="Adam's state", device=device,
+        reserved_for=f"{optimizer_name}'s state", device=device,
     )
 
     names = [block.name for block in profile.blocks]
@@ -70,16 +82,17 @@ def run_plan(args: argparse.Namespace) -> int:
     print(plan)
     if optimizer_bytes:
         print(
-            f"with Adam's state ({format_bytes(optimizer_bytes)}, predicted), counted in the "
-            f"predicted peak and the budget"
+            f"with {optimizer_name}'s state ({format_bytes(optimizer_bytes)}, predicted), "
+            "counted in the predicted peak and the budget"
         )
     print()
-    print(memory_breakdown_table(memory_parts(model, profile, plan, optimizer_bytes)))
+    print(memory_breakdown_table(memory_parts(model, profile, plan, optimizer_bytes,
+                                              optimizer_name)))
     if args.json:
         Path(args.json).write_text(plan.to_json())
         print(f"\nplan written to {args.json}")
     if args.plot:
-        _plot_plan(profile, plan, Path(args.plot))
+        plot_plan(profile, plan, Path(args.plot))
         print(f"plot written to {args.plot}")
     return 0
 
@@ -91,7 +104,14 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
     from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES
 
     if args.model is None:
-        raise CommandLineError("MODEL is missing (see 'gradckpt plan --list' for built-ins)")
+        raise CommandLineError(
+            "MODEL is missing (see 'gradckpt plan --list' for built-ins and known configs)"
+        )
+    if args.dtype is not None and not args.estimate:
+        raise CommandLineError(
+            "--dtype is for --estimate; a measured plan runs the model in the dtype it is "
+            "built in"
+        )
     if args.strategy not in STRATEGIES:
         raise CommandLineError(
             f"unknown strategy {args.strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
@@ -106,21 +126,51 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
             parse_budget(args.budget, unconstrained_peak_bytes=1 << 40, device="cpu")
         except UsageError as error:
             raise CommandLineError(f"--budget: {error}") from None
+    if args.estimate:
+        target_device(args.device)  # an unknown target is told before any slow work
 
 
-def _plot_plan(profile: Profile, plan: Plan, path: Path) -> None:
-    """Each fixed strategy and this plan as points, the optimal frontier as a line."""
-    from gradckpt import solve
-    from gradckpt.report import StrategyPoint, plot_frontier
+def _measuring_device(name: str | None) -> torch.device:
+    """``--device`` without ``--estimate``: where to profile; a target device's name there
+    means --estimate was forgotten."""
+    try:
+        return resolve_device(name or "auto")
+    except ValueError:
+        if _is_target_device(name or ""):
+            raise CommandLineError(
+                f"--device {name} names a target device: add --estimate to predict the plan for "
+                "it; without --estimate, --device is where to profile (auto, cpu, cuda, cuda:N)"
+            ) from None
+        raise
 
-    points = []
-    for name in ("none", "every-layer", "sqrt"):
-        fixed = solve(profile, None, name)
-        points.append(StrategyPoint(name, fixed.predicted_peak_bytes, 1 + fixed.predicted_overhead))
-    points.append(
-        StrategyPoint(f"this plan ({plan.strategy})", plan.predicted_peak_bytes,
-                      1 + plan.predicted_overhead)
-    )
-    plot_frontier(
-        points, path, frontier=optimal_frontier(profile), title="Predicted peak and step time"
+
+def _is_target_device(name: str) -> bool:
+    from gradckpt.devices import THIS, device_spec
+    from gradckpt.errors import UsageError
+
+    if name.strip().lower() == THIS:
+        return True
+    try:
+        device_spec(name)  # a preset or an alias: no measuring
+    except UsageError:
+        return False
+    return True
+
+
+def model_list() -> str:
+    """What ``gradckpt plan --list`` prints: the built-in models, then the known configs.
+
+    Example:
+        >>> print(model_list())  # doctest: +ELLIPSIS
+        tinygpt ...
+        llama-3-8b    32 layers, hidden 4096, 32 heads (8 kv), vocab 128256; meta-llama/...
+        ...
+    """
+    from gradckpt.tables import format_table
+
+    table = format_table(["known config", "what it is"], known_config_rows(), align="ll")
+    known_rows = table.split("\n", 1)[1]  # the heading line says more than a header would
+    return (
+        f"{builtin_list()}\n\nknown configs: hyper-parameters only, no weights; plan them with "
+        f"--estimate\n{known_rows}"
     )

@@ -96,11 +96,18 @@ def estimate(
                 model, fake_sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output,
                 repeats=1,
             )
-    optimizer_bytes = optimizer_state_bytes(optimizer, model)
-    predicted.fixed_bytes += optimizer_bytes
-    predicted.peak_bytes += optimizer_bytes
+        # Still with the fake parameters: their dtype is the one trained in (optimizer state
+        # is kept in it, as torch.optim does).
+        optimizer_bytes = optimizer_state_bytes(optimizer, model)
+        predicted.fixed_bytes += optimizer_bytes
+        predicted.peak_bytes += optimizer_bytes
+        parts = memory_parts(model, predicted, optimizer_bytes, spec)
+        predicted.notes["largest_block_parameter_bytes"] = max(
+            (sum(p.numel() * p.element_size() for p in module.parameters())
+             for module in _block_modules(model, predicted)),
+            default=0,
+        )
     predicted.device = spec.kind
-    parts = memory_parts(model, predicted, optimizer_bytes, dtype, spec)
     predicted.notes.update(
         estimated_for=spec.name,
         memory_parts=parts,
@@ -118,15 +125,13 @@ CUDA_RESERVE_BYTES = 2 * 2**30
 
 
 def memory_parts(
-    model: nn.Module, predicted: Profile, optimizer_bytes: int, dtype: torch.dtype | None,
-    spec: DeviceSpec,
+    model: nn.Module, predicted: Profile, optimizer_bytes: int, spec: DeviceSpec
 ) -> dict[str, int]:
     """The step's memory by what it is for (sizes, not one instant: they need not sum to the
     peak, since activations are freed as gradients are made)."""
 
     def size(p: torch.Tensor) -> int:
-        cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
-        return p.numel() * cast.itemsize
+        return p.numel() * p.element_size()
 
     unique = {id(p): p for p in model.parameters()}.values()
     parts = {
@@ -187,3 +192,8 @@ def _fake_state(
     finally:
         for table, name, value in originals:
             table[name] = value
+
+
+def _block_modules(model: nn.Module, predicted: Profile) -> list[nn.Module]:
+    modules = dict(model.named_modules())
+    return [modules[block.name] for block in predicted.blocks if block.name in modules]

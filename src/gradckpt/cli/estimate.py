@@ -1,0 +1,274 @@
+"""``gradckpt plan MODEL --estimate``: the plan for a target device, predicted without running
+the model.
+
+``gradckpt.estimate`` runs the training step and each block on fake tensors (shapes, no memory)
+with the model built on the meta device (no weights), so an 8B model plans on a laptop in under
+a minute; the solvers then plan it as they plan a measured profile. What is printed: the model
+and the target device, the per-block plan (``str(plan)``, as for a measured plan), what takes
+the memory part by part, and whether the predicted peak fits the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CommandLineError
+from .frontier import plot_plan
+from .memory_parts import retained_activation_bytes
+from .model_lookup import resolve_model
+from .progress import stage
+
+if TYPE_CHECKING:
+    from gradckpt.devices import DeviceSpec
+    from gradckpt.plan import Plan
+    from gradckpt.profile_types import Profile
+
+__all__ = ["DTYPES", "run_estimate", "target_device"]
+
+# --dtype: the short names people write, and torch's.
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def target_device(name: str | None) -> DeviceSpec:
+    """``--device`` with ``--estimate``: the device the plan is for: a preset or an alias,
+    ``this`` (default: this machine), or a JSON object of numbers for any other device (the
+    keys ``gradckpt.devices.device_spec`` takes).
+
+    Example:
+        >>> target_device("H100").name
+        'h100-80gb'
+        >>> target_device('{"memory": "48GiB", "bf16_tflops": 180, "fp32_tflops": 90, '
+        ...               '"bandwidth_gbps": 960, "name": "mine"}').name
+        'mine'
+        >>> target_device("h1000")
+        Traceback (most recent call last):
+        ...
+        gradckpt.cli.errors.CommandLineError: --device: unknown device 'h1000'; did you mean ...
+    """
+    from gradckpt.devices import device_spec
+    from gradckpt.errors import UsageError
+
+    device: Any = name or "this"
+    if device.lstrip().startswith("{"):
+        try:
+            device = json.loads(device)
+        except json.JSONDecodeError as error:
+            raise CommandLineError(f"--device: not a JSON object of numbers ({error})") from None
+    try:
+        return device_spec(device)
+    except UsageError as error:
+        raise CommandLineError(f"--device: {error}") from None
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """``gradckpt plan MODEL --estimate``: predict the step on ``--device``, solve, print.
+
+    Example:
+        >>> from gradckpt.cli.parser import build_parser
+        >>> arguments = ["plan", "mlp-chain", "--estimate", "--device", "a100-40gb",
+        ...              "--batch", "2", "--seq", "4", "--strategy", "sqrt"]
+        >>> run_estimate(build_parser().parse_args(arguments))  # doctest: +ELLIPSIS
+        mlp_chain(16, 256): 1.05M parameters, 16 blocks (0 .. 15), batch 2 x 4, float32, ...
+        0
+    """
+    import torch
+
+    import gradckpt
+    from gradckpt.budget import format_bytes
+    from gradckpt.devices import format_device
+
+    spec = target_device(args.device)
+    stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
+    target = resolve_model(args.model, args.batch, args.seq, on_meta=True)
+    dtype_name = DTYPES[args.dtype] if args.dtype else target.config_dtype
+    dtype = getattr(torch, dtype_name) if dtype_name else None
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    stage(f"estimating one training step and each block on fake tensors, for {spec.name}")
+    profile = gradckpt.estimate(
+        target.model, target.sample, device=spec, optimizer=optimizer, dtype=dtype,
+        keep_output=not args.drop_output,
+    )
+    usable_bytes = profile.notes["device_usable_bytes"]
+    # "auto" is what the target has for the peak, not what this machine has free.
+    budget = usable_bytes if str(args.budget).strip().lower() == "auto" else args.budget
+    plan = gradckpt.solve(profile, budget, args.strategy)
+    parts = plan_memory_parts(profile, plan, args.optimizer)
+    largest = max(parts, key=parts.get)
+
+    names = [block.name for block in profile.blocks]
+    parameter_count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
+    trained_dtype = _trained_dtype(target.model, dtype)
+    print(
+        f"{target.description}: {_count(parameter_count)} parameters, {len(names)} blocks "
+        f"({names[0]} .. {names[-1]}), batch {args.batch} x {args.seq}, {trained_dtype}, "
+        f"optimizer {args.optimizer}"
+    )
+    print(f"estimated for {format_device(spec)}")
+    print(
+        f"predicted, not measured: peak without checkpointing {format_bytes(profile.peak_bytes)}"
+        f", step {profile.step_seconds:.3g} s (roofline)"
+    )
+    print()
+    print(plan)
+    print()
+    print(breakdown_table(parts, spec.memory_bytes))
+    print(f"largest part: {largest}, {format_bytes(parts[largest])}")
+    print(fit_line(profile, plan, spec))
+    print(
+        "The parts are sizes, not one instant: activations are freed as gradients are made, so "
+        "they need not add up to the peak.\nPredicted on fake tensors for "
+        f"{spec.name}; times are rooflines (the fastest it could run each operation): read the "
+        "extra time as a share of the step, not as seconds."
+    )
+    if args.json:
+        report = estimate_json(args, target.description, trained_dtype, profile, plan, spec,
+                               parts)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nplan and estimate written to {args.json}")
+    if args.plot:
+        plot_plan(profile, plan, Path(args.plot))
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def plan_memory_parts(profile: Profile, plan: Plan, optimizer: str) -> dict[str, int]:
+    """``estimate``'s parts of the memory (``notes["memory_parts"]``), with the activations
+    those the plan keeps rather than those a step without checkpointing keeps.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.models import mlp_chain
+        >>> profile = gradckpt.estimate(mlp_chain(4, 8), torch.randn(16, 8), device="l4")
+        >>> parts = plan_memory_parts(profile, gradckpt.solve(profile, None, "sqrt"), "none")
+        >>> list(parts)[:3]
+        ['parameters', 'gradients (trainable parameters)', 'activations kept for backward (under this plan)']
+    """  # noqa: E501  (a doctest's output is one line)
+    parts = {}
+    for name, size in profile.notes["memory_parts"].items():
+        if name.startswith("activations"):  # estimate's: the step without checkpointing
+            name = "activations kept for backward (under this plan)"
+            size = retained_activation_bytes(profile, plan)
+        elif name == "optimizer state":
+            name = f"optimizer state ({optimizer})"
+        parts[name] = size
+    return parts
+
+
+def breakdown_table(parts: dict[str, int], device_bytes: int) -> str:
+    """What takes the memory, largest first, each part's size and share of the device.
+
+    Example:
+        >>> print(breakdown_table({"parameters": 2**30, "gradients": 2**29}, 4 * 2**30))
+        what takes the memory (parts, not one instant)      size  of the device
+        parameters                                      1.00 GiB            25%
+        gradients                                     512.00 MiB            12%
+    """
+    from gradckpt.budget import format_bytes
+    from gradckpt.tables import format_table
+
+    rows = [
+        [name, format_bytes(size), f"{size / device_bytes:.0%}"]
+        for name, size in sorted(parts.items(), key=lambda part: -part[1])
+    ]
+    return format_table(["what takes the memory (parts, not one instant)", "size",
+                         "of the device"], rows)
+
+
+def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
+    """Whether the plan's predicted peak fits what the device has for it, and if not, what
+    would.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.models import mlp_chain
+        >>> profile = gradckpt.estimate(mlp_chain(4, 8), torch.randn(16, 8), device="l4")
+        >>> fit_line(profile, gradckpt.solve(profile, None, "none"), gradckpt.devices.DEVICES["l4-24gb"])
+        'fits: predicted peak 3.31 KiB of 22.00 GiB usable on l4-24gb (24.00 GiB less 2.00 GiB for the CUDA context and allocator reserve)'
+    """  # noqa: E501  (a doctest's output is one line)
+    from gradckpt import BudgetError, solve
+    from gradckpt.budget import format_bytes
+
+    usable_bytes = profile.notes["device_usable_bytes"]
+    reserve_bytes = spec.memory_bytes - usable_bytes
+    room = f"{format_bytes(usable_bytes)} usable on {spec.name}"
+    if reserve_bytes:
+        room += (
+            f" ({format_bytes(spec.memory_bytes)} less {format_bytes(reserve_bytes)} for the CUDA "
+            "context and allocator reserve)"
+        )
+    peak = format_bytes(plan.predicted_peak_bytes)
+    if plan.predicted_peak_bytes <= usable_bytes:
+        return f"fits: predicted peak {peak} of {room}"
+    try:
+        solve(profile, 1, "optimal")
+        least_bytes = 1  # pragma: no cover - no plan fits in one byte
+    except BudgetError as error:
+        least_bytes = error.minimum_bytes
+    if least_bytes <= usable_bytes:
+        advice = (
+            f"a plan does fit: --budget {format_bytes(usable_bytes).replace(' ', '')} (the least "
+            f"any plan reaches is {format_bytes(least_bytes)})"
+        )
+    else:
+        advice = (
+            f"no plan fits: the least any plan reaches is {format_bytes(least_bytes)}; use a "
+            "smaller batch or sequence, a lighter optimizer or dtype, or a larger device"
+        )
+    return f"does not fit: predicted peak {peak}, above the {room}; {advice}"
+
+
+def estimate_json(
+    args: argparse.Namespace, description: str, trained_dtype: str, profile: Profile,
+    plan: Plan, spec: DeviceSpec, parts: dict[str, int],
+) -> dict[str, Any]:
+    """What ``--json FILE`` writes with ``--estimate`` (docs/cli.md lists the keys)."""
+    usable_bytes = profile.notes["device_usable_bytes"]
+    return {
+        "model": args.model,
+        "description": description,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": trained_dtype,
+        "optimizer": args.optimizer,
+        "plan": json.loads(plan.to_json()),
+        "profile": {
+            "peak_bytes": profile.peak_bytes,
+            "fixed_bytes": profile.fixed_bytes,
+            "step_seconds": profile.step_seconds,
+        },
+        "device": {
+            "name": spec.name,
+            "description": spec.description,
+            "kind": spec.kind,
+            "memory_bytes": spec.memory_bytes,
+            "flops_per_second": {
+                str(dtype).removeprefix("torch."): rate
+                for dtype, rate in spec.flops_per_second.items()
+            },
+            "memory_bandwidth_bytes_per_second": spec.memory_bandwidth_bytes_per_second,
+            "source": spec.source,
+        },
+        "memory_parts": parts,
+        "memory_parts_without_checkpointing": profile.notes["memory_parts"],
+        "largest_part": max(parts, key=parts.get),
+        "device_usable_bytes": usable_bytes,
+        "fits": plan.predicted_peak_bytes <= usable_bytes,
+    }
+
+
+def _count(n: int) -> str:
+    """A parameter count as people say it: 8.03B, 124M, 1.05M."""
+    for size, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{suffix}"
+    return str(n)
+
+
+def _trained_dtype(model: Any, dtype: Any) -> str:
+    """The dtype the step is predicted in: ``--dtype``, the config's, or the model's own."""
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return str(dtype).removeprefix("torch.")
