@@ -68,7 +68,7 @@ def test_caches_are_off_in_training_steps_while_profiling_and_while_a_plan_is_ap
     assert seen and all(cache is None for cache in seen)  # profiling: never a cache
     seen.clear()
     model(**sample).loss.backward()  # a training step under the plan
-    assert seen == [None]
+    assert seen and all(cache is None for cache in seen)  # recomputation calls it again
     with torch.no_grad():  # inference: the cache as configured
         model(**sample)
     hook.remove()

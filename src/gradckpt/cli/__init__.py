@@ -2,16 +2,21 @@
 
     gradckpt demo                   what checkpointing buys on a small GPT, and the sqrt(n) law
     gradckpt plan MODEL --budget B  the plan for a model: per block, predicted peak and time
-    gradckpt plan --list            the built-in models
+    gradckpt plan MODEL --estimate --device h100-80gb --budget B
+                                    the same, predicted for a target device without running
+                                    the model (no weights: 8B models plan on a laptop)
+    gradckpt plan --list            the built-in models and known configs (llama-3-8b, ...)
     gradckpt --version
 
 Exit status: 0 done; 1 an error while working (a missing file, a factory that raised, a budget
 no plan meets); 2 a usage error (the command line itself is wrong). Every error is one line on
 stderr; ``--debug`` shows the traceback instead. ``python -m gradckpt`` is the same command.
 
-The modules: ``parser`` (the arguments), one per command (``demo``, ``plan``) and the pieces
-they are made of, ``progress`` (the only place gradckpt draws progress; the core gets it as a
-callback). Models from Hugging Face configs come from ``gradckpt.integrations.hf``.
+The modules: ``parser`` (the arguments), one per command (``demo``, ``plan``, and
+``estimate`` for ``plan --estimate``) and the pieces they are made of (``known_configs``: the
+hyper-parameters of well-known models), ``progress`` (the only place gradckpt draws progress;
+the core gets it as a callback). Models from Hugging Face configs come from
+``gradckpt.integrations.hf``.
 """
 
 from __future__ import annotations

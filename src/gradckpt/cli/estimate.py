@@ -107,9 +107,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         f"optimizer {args.optimizer}"
     )
     print(f"estimated for {format_device(spec)}")
+    held = ", the optimizer's state included" if optimizer else ""
     print(
         f"predicted, not measured: peak without checkpointing {format_bytes(profile.peak_bytes)}"
-        f", step {profile.step_seconds:.3g} s (roofline)"
+        f"{held}; step {profile.step_seconds:.3g} s (roofline)"
     )
     print()
     print(plan)
@@ -120,8 +121,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(
         "The parts are sizes, not one instant: activations are freed as gradients are made, so "
         "they need not add up to the peak.\nPredicted on fake tensors for "
-        f"{spec.name}; times are rooflines (the fastest it could run each operation): read the "
-        "extra time as a share of the step, not as seconds."
+        f"{_device_name(spec)}; times are rooflines (the fastest it could run each operation): "
+        "read the extra time as a share of the step, not as seconds."
     )
     if args.json:
         report = estimate_json(args, target.description, trained_dtype, profile, plan, spec,
@@ -185,15 +186,16 @@ def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
         >>> import torch, gradckpt
         >>> from gradckpt.models import mlp_chain
         >>> profile = gradckpt.estimate(mlp_chain(4, 8), torch.randn(16, 8), device="l4")
-        >>> fit_line(profile, gradckpt.solve(profile, None, "none"), gradckpt.devices.DEVICES["l4-24gb"])
-        'fits: predicted peak 3.31 KiB of 22.00 GiB usable on l4-24gb (24.00 GiB less 2.00 GiB for the CUDA context and allocator reserve)'
+        >>> l4 = gradckpt.devices.DEVICES["l4-24gb"]
+        >>> print(fit_line(profile, gradckpt.solve(profile, None, "none"), l4))
+        fits: predicted peak ... KiB of 22.00 GiB usable on l4-24gb (24.00 GiB less 2.00 GiB for the CUDA context and allocator reserve)
     """  # noqa: E501  (a doctest's output is one line)
     from gradckpt import BudgetError, solve
     from gradckpt.budget import format_bytes
 
     usable_bytes = profile.notes["device_usable_bytes"]
     reserve_bytes = spec.memory_bytes - usable_bytes
-    room = f"{format_bytes(usable_bytes)} usable on {spec.name}"
+    room = f"{format_bytes(usable_bytes)} usable on {_device_name(spec)}"
     if reserve_bytes:
         room += (
             f" ({format_bytes(spec.memory_bytes)} less {format_bytes(reserve_bytes)} for the CUDA "
@@ -257,6 +259,10 @@ def estimate_json(
         "device_usable_bytes": usable_bytes,
         "fits": plan.predicted_peak_bytes <= usable_bytes,
     }
+
+
+def _device_name(spec: DeviceSpec) -> str:
+    return "this machine" if spec.name == "this" else spec.name
 
 
 def _count(n: int) -> str:

@@ -11,6 +11,7 @@ own code, which may need real tensors); ``estimate`` runs them on fake tensors a
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import inspect
 import json
@@ -60,10 +61,16 @@ def resolve_model(spec: str, batch: int, seq: int, *, on_meta: bool = False) -> 
         return _from_factory(spec, batch, seq)
     if spec.endswith(".json") or os.sep in spec:
         raise FileNotFoundError(f"no such file: {spec}")
+    close = difflib.get_close_matches(spec.lower(), [*BUILTIN_MODELS, *KNOWN_CONFIGS], n=1)
+    if close:  # "llama3-8b", "Mistral-7B": most likely a known config's name, misspelt
+        raise CommandLineError(
+            f"unknown model {spec!r}; did you mean {close[0]!r}? (see 'gradckpt plan --list': "
+            f"built-ins {', '.join(BUILTIN_MODELS)}; known configs {', '.join(KNOWN_CONFIGS)})"
+        )
     raise CommandLineError(
         f"unknown model {spec!r}: give a Hugging Face config.json (or a folder holding one), "
-        f"a built-in name ({', '.join(BUILTIN_MODELS)}), a known config "
-        f"({', '.join(KNOWN_CONFIGS)}; see 'gradckpt plan --list') or package.module:factory"
+        f"a built-in name ({', '.join(BUILTIN_MODELS)}; see 'gradckpt plan --list') or "
+        "package.module:factory"
     )
 
 

@@ -1,0 +1,182 @@
+"""``gradckpt plan MODEL --estimate``: the plan predicted for a target device without running the
+model, for config.json files and the known configs of well-known models (docs/cli.md). Run as
+a user runs it (a subprocess) once, in-process (``main([...])``) for the rest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_cli import error_lines, run_gradckpt
+
+from gradckpt.cli import known_configs as known_configs_module
+from gradckpt.cli import main
+from gradckpt.cli.known_configs import KNOWN_CONFIGS, KnownConfig
+from gradckpt.cli.model_lookup import build_known_model
+from gradckpt.plan import Plan
+
+transformers = pytest.importorskip("transformers")
+
+# The keys docs/cli.md promises in the --json object of an estimate.
+JSON_KEYS = {
+    "model", "description", "batch", "seq", "dtype", "optimizer", "plan", "profile", "device",
+    "memory_parts", "memory_parts_without_checkpointing", "largest_part",
+    "device_usable_bytes", "fits",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_config(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("llama")
+    transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    ).save_pretrained(folder)
+    return folder / "config.json"
+
+
+@pytest.fixture(scope="module")
+def estimated(tiny_llama_config, tmp_path_factory):
+    json_path = tmp_path_factory.mktemp("estimate") / "estimate.json"
+    result = run_gradckpt(
+        "plan", str(tiny_llama_config), "--estimate", "--device", "h100-80gb", "--batch", "2",
+        "--seq", "32", "--budget", "70GiB", "--optimizer", "adamw", "--json", str(json_path),
+    )
+    return result, json_path
+
+
+def test_a_config_json_estimated_for_an_h100_prints_plan_breakdown_and_fit(estimated):
+    result, _ = estimated
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("LlamaForCausalLM from ")
+    assert "batch 2 x 32, float32, optimizer adamw" in out
+    assert "estimated for h100-80gb (NVIDIA H100 SXM5 80GB: 80.00 GiB" in out
+    assert "model.layers.0" in out and "model.layers.1" in out  # the per-block table
+    assert "strategy optimal within 70.00 GiB: predicted peak" in out
+    for part in ("parameters", "gradients (trainable parameters)", "optimizer state (adamw)",
+                 "activations kept for backward (under this plan)",
+                 "logits, loss and their gradients", "CUDA context and allocator reserve"):
+        assert part in out, part
+    assert "largest part: " in out
+    assert "fits: predicted peak " in out and "of 78.00 GiB usable on h100-80gb" in out
+    assert "sizes, not one instant" in out and "rooflines" in out
+
+
+def test_the_estimate_json_holds_the_documented_keys(estimated):
+    result, json_path = estimated
+    assert result.returncode == 0, result.stderr
+    report = json.loads(json_path.read_text())
+    assert set(report) == JSON_KEYS
+    plan = Plan.from_json(json.dumps(report["plan"]))
+    assert str(plan) in result.stdout
+    assert set(report["profile"]) == {"peak_bytes", "fixed_bytes", "step_seconds"}
+    assert report["device"]["name"] == "h100-80gb"
+    assert report["device_usable_bytes"] == 78 * 2**30
+    assert report["largest_part"] in report["memory_parts"]
+    assert report["fits"] is True and plan.predicted_peak_bytes <= report["device_usable_bytes"]
+    # The optimizer's state is in every plan's peak: two fp32 moments per parameter.
+    parameters = report["memory_parts"]["parameters"]
+    assert report["memory_parts"]["optimizer state (adamw)"] == 2 * parameters
+
+
+def test_list_shows_the_known_configs(capsys):
+    assert main(["plan", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.split()[0] == "tinygpt"
+    for name in ("llama-3-8b", "mistral-7b", "qwen2.5-7b", "gpt2-xl"):
+        assert f"\n{name} " in out, name
+    assert "meta-llama/Meta-Llama-3-8B" in out
+
+
+def test_an_unknown_target_device_is_a_usage_error_listing_the_known_ones(
+    tiny_llama_config, capsys
+):
+    status = main(["plan", str(tiny_llama_config), "--estimate", "--device", "h1000",
+                   "--strategy", "sqrt"])
+    assert status == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("gradckpt plan: usage error: --device: ")
+    assert "did you mean 'h100-80gb'?" in lines[0]
+    for name in ("a100-40gb", "h200-141gb", "l4-24gb", "rtx4090-24gb", "'this'"):
+        assert name in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["plan", "tinygpt", "--strategy", "sqrt", "--device", "h100"],
+         "names a target device: add --estimate"),
+        (["plan", "tinygpt", "--strategy", "sqrt", "--dtype", "bf16"], "--dtype is for --estimate"),
+        (["plan", "llama-3-8b", "--strategy", "sqrt", "--device", "cpu"],
+         "predict its plan with --estimate instead"),
+        (["plan", "tinygpt", "--estimate", "--strategy", "sqrt", "--device", "{memory"],
+         "not a JSON object of numbers"),
+        (["plan", "llama3-8b", "--estimate", "--strategy", "sqrt", "--device", "h100"],
+         "unknown model 'llama3-8b'; did you mean 'llama-3-8b'?"),
+    ],
+)
+def test_usage_errors_of_estimates_are_one_line_and_exit_2(arguments, expected, capsys):
+    assert main(arguments) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "usage error: " in lines[0] and expected in lines[0], lines
+
+
+def test_llama_3_8b_has_its_published_hyper_parameters():
+    settings = KNOWN_CONFIGS["llama-3-8b"].settings
+    assert (settings["num_hidden_layers"], settings["hidden_size"],
+            settings["intermediate_size"], settings["num_key_value_heads"],
+            settings["vocab_size"]) == (32, 4096, 14336, 8, 128256)
+    model = build_known_model("llama-3-8b", on_meta=True)  # shapes only: no memory
+    assert type(model).__name__ == "LlamaForCausalLM"
+    # Transformers 5 keeps rope_theta in rope_parameters; older versions as an attribute.
+    rope = getattr(model.config, "rope_parameters", None) or {"rope_theta": model.config.rope_theta}
+    assert rope["rope_theta"] == 500000.0
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # "8B"
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize(("name", "parameters"), [
+    ("mistral-7b", 7_241_732_096), ("qwen2.5-7b", 7_615_616_512), ("gpt2-xl", 1_557_611_200),
+])
+def test_the_other_known_configs_have_their_published_sizes(name, parameters):
+    model = build_known_model(name, on_meta=True)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_a_reduced_known_config_estimates_end_to_end(monkeypatch, tmp_path, capsys):
+    """The known-config path, on Llama-3-8B's settings shrunk to two small layers: built on the
+    meta device, trained in the published dtype (bf16) unless --dtype says otherwise; a target
+    device given as numbers; a plan that does not fit says so and what would."""
+    llama = KNOWN_CONFIGS["llama-3-8b"]
+    reduced = {**llama.settings, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    monkeypatch.setitem(known_configs_module.KNOWN_CONFIGS, "llama-tiny",
+                        KnownConfig("reduced Llama-3-8B", reduced, "bfloat16", llama.source))
+    device = json.dumps({"memory": "64KiB", "bf16_tflops": 10, "fp32_tflops": 5,
+                         "bandwidth_gbps": 100, "name": "toy", "kind": "cpu"})
+    assert main(["plan", "llama-tiny", "--estimate", "--device", device, "--batch", "1",
+                 "--seq", "16", "--strategy", "none", "--json", str(tmp_path / "e.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("LlamaForCausalLM llama-tiny (meta-llama/Meta-Llama-3-8B's config")
+    assert "batch 1 x 16, bfloat16, optimizer none" in out
+    assert "does not fit: predicted peak " in out and "usable on toy" in out
+    assert "CUDA context" not in out  # a CPU has none
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["fits"] is False and report["dtype"] == "bfloat16"
+    parameters = report["memory_parts"]["parameters"]
+
+    assert main(["plan", "llama-tiny", "--estimate", "--device", device, "--batch", "1",
+                 "--seq", "16", "--strategy", "none", "--dtype", "fp32", "--json",
+                 str(tmp_path / "e.json")]) == 0
+    assert "batch 1 x 16, float32" in capsys.readouterr().out
+    assert json.loads((tmp_path / "e.json").read_text())["memory_parts"]["parameters"] == (
+        2 * parameters)
+
+
+def test_a_measured_plan_names_the_optimizer_it_counts(capsys):
+    assert main(["plan", "mlp-chain", "--batch", "1", "--seq", "2", "--strategy", "sqrt",
+                 "--optimizer", "adamw", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state (AdamW, predicted)" in out and "with AdamW's state" in out
