@@ -180,3 +180,20 @@ def test_a_measured_plan_names_the_optimizer_it_counts(capsys):
                  "--optimizer", "adamw", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "optimizer state (AdamW, predicted)" in out and "with AdamW's state" in out
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ('{"hidden_size": 8}', "has no 'model_type'"),
+        ('{"model_type": "vit", "hidden_size": 32}', "no causal language model for model_type"),
+        ("{not json", "is not valid JSON"),
+    ],
+    ids=["no-model-type", "no-language-model", "not-json"],
+)
+def test_a_config_that_cannot_be_built_says_why(config, expected, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(config)
+    assert main(["plan", str(path), "--estimate", "--device", "h100", "--strategy", "sqrt"]) == 1
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and expected in lines[0], lines
