@@ -176,3 +176,14 @@ def test_world_size_makes_the_profile_one_sharding_ranks() -> None:
     for bad in (0, -2, 1.5, True):
         with pytest.raises(gradckpt.UsageError, match="world_size"):
             gradckpt.estimate(model, sample, device="h100-80gb", world_size=bad)
+
+
+def test_a_plan_from_an_estimate_names_its_device_and_round_trips() -> None:
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+    predicted = gradckpt.estimate(model, torch.randn(8, 32), device="l4")
+    plan = gradckpt.solve(predicted, None, "sqrt")
+    assert plan.estimated_for == "l4-24gb"
+    assert str(plan).endswith("(estimated for l4-24gb)")
+    assert gradckpt.Plan.from_json(plan.to_json()) == plan
+    measured = gradckpt.solve(gradckpt.profile(model, torch.randn(8, 32), repeats=1), None, "sqrt")
+    assert measured.estimated_for is None and "estimated" not in str(measured)

@@ -75,6 +75,7 @@ def plan_for(
         predicted_extra_seconds=extra_seconds,
         predicted_overhead=extra_seconds / profile.step_seconds if profile.step_seconds else 0.0,
         block_names=[block.name for block in profile.blocks],
+        estimated_for=profile.notes.get("estimated_for"),
     )
 
 

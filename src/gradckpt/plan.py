@@ -55,6 +55,8 @@ class Plan:
     - ``predicted_peak_bytes``: the step's predicted peak memory under the plan.
     - ``predicted_overhead``: predicted extra step time as a fraction of the step without
       checkpointing (0.25 = 25% slower).
+    - ``estimated_for``: the device a plan solved from ``gradckpt.estimate`` was predicted
+      for (``"h100-80gb"``); None when the profile was measured.
     """
 
     strategy: str
@@ -64,6 +66,9 @@ class Plan:
     predicted_extra_seconds: float
     predicted_overhead: float
     block_names: list[str] = field(default_factory=list)
+    # The device whose profile the predictions come from: the preset or "this" an estimate was
+    # made for (gradckpt.estimate), None for a profile measured here.
+    estimated_for: str | None = None
 
     def to_json(self) -> str:
         """The plan as a JSON string (``Plan.from_json`` reads it back)."""
@@ -155,12 +160,15 @@ def plan_summary(plan: Plan) -> str:
     Example:
         >>> plan_summary(Plan("optimal", 4096, [], 3000, 2.0, 0.4, ["a"]))
         'strategy optimal within 4.00 KiB: predicted peak 2.93 KiB, predicted extra time +40.0%'
+        >>> plan_summary(Plan("none", None, [], 3000, 0.0, 0.0, ["a"], estimated_for="l4-24gb"))
+        'strategy none: predicted peak 2.93 KiB, predicted extra time +0.0% (estimated for l4-24gb)'
     """
     budget = f" within {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
+    device = f" (estimated for {plan.estimated_for})" if plan.estimated_for else ""
     return (
         f"strategy {plan.strategy}{budget}: predicted peak "
         f"{format_bytes(plan.predicted_peak_bytes)}, predicted extra time "
-        f"+{100 * plan.predicted_overhead:.1f}%"
+        f"+{100 * plan.predicted_overhead:.1f}%{device}"
     )
 
 
