@@ -187,3 +187,25 @@ def test_a_plan_from_an_estimate_names_its_device_and_round_trips() -> None:
     assert gradckpt.Plan.from_json(plan.to_json()) == plan
     measured = gradckpt.solve(gradckpt.profile(model, torch.randn(8, 32), repeats=1), None, "sqrt")
     assert measured.estimated_for is None and "estimated" not in str(measured)
+
+
+def test_autocast_mixed_precision_is_estimated_as_it_measures() -> None:
+    """fp32 parameters, forward under bf16 autocast (as Accelerate applies it): the estimate
+    equals the profile of the same model wrapped that way, and shows the weights' bf16 copies."""
+    import types
+
+    case = next(case for case in predictions.CASES if case.name == "llama")
+    sample = case.sample()
+    wrapped = predictions.fresh(case)
+    wrapped.forward = types.MethodType(
+        torch.autocast("cpu", dtype=torch.bfloat16)(type(wrapped).forward), wrapped)
+    measured = gradckpt.profile(wrapped, sample, repeats=1)
+    model = predictions.fresh(case)
+    predicted = gradckpt.estimate(model, sample, device="h100-80gb", autocast=torch.bfloat16)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert [b.saved_bytes for b in predicted.blocks] == [b.saved_bytes for b in measured.blocks]
+    copies = predicted.notes["memory_parts"]["mixed-precision copies of the parameters"]
+    linear_weights = sum(m.weight.numel() for m in model.modules()
+                         if isinstance(m, torch.nn.Linear))
+    assert copies == 2 * linear_weights  # each matmul weight cast to bf16 once
+    assert "forward" not in model.__dict__  # the model is as it was

@@ -42,6 +42,7 @@ def estimate(
     optimizer: str | None = None,
     world_size: int = 1,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
     keep_output: bool = True,
 ) -> Profile:
     """Predict what ``gradckpt.profile`` would measure, without running the model for real.
@@ -68,7 +69,7 @@ def estimate(
                          f"got {world_size!r}")
     predicted = estimate_one_process(
         model, sample, loss_fn, blocks, device=device, optimizer=optimizer, dtype=dtype,
-        keep_output=keep_output,
+        autocast=autocast, keep_output=keep_output,
     )
     return shard(predicted, world_size) if world_size > 1 else predicted
 

@@ -20,15 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..adapters import ESTIMATING, adapted
 from ..devices import DeviceSpec, device_spec
+from ..engine import storage_key
 from ..errors import UsageError
 from ..profile_types import Profile
 from ..reserved import optimizer_state_bytes
 from .clock import ModeledClock
 from .profile import profile
+from .step import run_model
 
 __all__ = ["CUDA_RESERVE", "CUDA_RESERVE_BYTES", "estimate", "memory_parts"]
 
@@ -42,6 +45,7 @@ def estimate(
     device: str | DeviceSpec | dict | None = "this",
     optimizer: str | None = None,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
     keep_output: bool = True,
 ) -> Profile:
     """Predict what ``gradckpt.profile`` would measure, without running the model for real.
@@ -62,6 +66,11 @@ def estimate(
             (bitsandbytes: two bytes per parameter) or ``None`` (not counted).
         dtype: train in this floating dtype (parameters and floating buffers cast, as
             ``model.to(dtype)`` would); default: as the model is.
+        autocast: mixed precision as ``torch.autocast`` (and Accelerate, and the Trainer's
+            ``bf16=True``) applies it: the parameters stay as they are (fp32) and the model's
+            forward runs under autocast to this dtype, so matmuls compute and save in it and
+            each weight they use is cast, a copy that lives through the step ("mixed-precision
+            copies" in the memory parts). CPU autocast's operation lists stand for the GPU's.
 
     What the memory is made of is in ``notes["memory_parts"]`` (parameters, gradients of the
     trainable ones, optimizer state, the activations a step without checkpointing keeps, the
@@ -83,25 +92,33 @@ def estimate(
         (True, 'h100-80gb')
     """
     spec = device_spec(device)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise UsageError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got "
-                         f"{dtype!r}")
+    for name, value in (("dtype", dtype), ("autocast", autocast)):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise UsageError(f"{name} must be a floating torch.dtype such as torch.bfloat16, "
+                             f"got {value!r}")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     # Integrations whose models read values to choose a code path choose as for a real batch
     # (Transformers: attention without padding takes its fused kernel).
-    with adapted(model, ESTIMATING), _fake_state(model, mode, dtype):
+    with (
+        adapted(model, ESTIMATING),
+        _fake_state(model, mode, dtype),
+        _forward_under_autocast(model, autocast),
+    ):
         fake_sample = _fake_tree(sample, mode)
         with mode, ModeledClock(spec):
             predicted = profile(
                 model, fake_sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output,
                 repeats=1,
             )
+            copies = _parameter_copy_bytes(model, fake_sample) if autocast is not None else 0
         # Still with the fake parameters: their dtype is the one trained in (optimizer state
         # is kept in it, as torch.optim does).
         optimizer_bytes = optimizer_state_bytes(optimizer, model)
         predicted.fixed_bytes += optimizer_bytes
         predicted.peak_bytes += optimizer_bytes
         parts = memory_parts(model, predicted, optimizer_bytes, spec)
+        if copies:
+            parts["mixed-precision copies of the parameters"] = copies
         predicted.notes["largest_block_parameter_bytes"] = max(
             (sum(p.numel() * p.element_size() for p in module.parameters())
              for module in _block_modules(model, predicted)),
@@ -197,3 +214,46 @@ def _fake_state(
 def _block_modules(model: nn.Module, predicted: Profile) -> list[nn.Module]:
     modules = dict(model.named_modules())
     return [modules[block.name] for block in predicted.blocks if block.name in modules]
+
+
+@contextlib.contextmanager
+def _forward_under_autocast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """The model's forward wrapped in ``torch.autocast`` for the duration, as Accelerate does."""
+    if dtype is None:
+        yield
+        return
+    had_own = "forward" in model.__dict__
+    own = model.__dict__.get("forward")
+    model.forward = torch.autocast("cpu", dtype=dtype)(model.forward)
+    try:
+        yield
+    finally:
+        if had_own:
+            model.forward = own
+        else:
+            del model.forward
+
+
+class _ParameterCasts(TorchDispatchMode):
+    """Bytes of the casts of parameters (autocast's copies), each parameter counted once."""
+
+    def __init__(self, parameters: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.parameters = parameters
+        self.cast: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        output = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten._to_copy and args:
+            key = storage_key(args[0])
+            if key in self.parameters and isinstance(output, torch.Tensor):
+                self.cast[key] = output.numel() * output.element_size()
+        return output
+
+
+def _parameter_copy_bytes(model: nn.Module, sample: Any) -> int:
+    """What one forward under autocast casts of the parameters."""
+    parameters = {storage_key(p): p for p in model.parameters()}
+    with _ParameterCasts(parameters) as casts:
+        run_model(model, sample)
+    return sum(casts.cast.values())
