@@ -60,6 +60,7 @@ class ModeledClock(TorchDispatchMode):
         self.elapsed = 0.0
         self.flops = 0
         self.bytes_moved = 0
+        self.attention_kernels: set[str] = set()  # which fused attention ran, if any
 
     def __enter__(self) -> ModeledClock:
         _active.append(self)
@@ -72,6 +73,8 @@ class ModeledClock(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
+        if "attention" in func.overloadpacket.__name__:
+            self.attention_kernels.add(func.overloadpacket.__name__)
         if func.is_view or func.overloadpacket in _FREE:
             return output
         flops = 0

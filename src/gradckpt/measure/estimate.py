@@ -77,7 +77,10 @@ def estimate(
     logits and loss, and, on a GPU, the CUDA context and allocator reserve, which the device
     loses but the peak, as ``max_memory_allocated`` measures it, does not count), the largest
     in ``notes["largest_part"]``, and what the device has for the peak in
-    ``notes["device_usable_bytes"]``. ``notes["estimated_for"]`` names the device, and the
+    ``notes["device_usable_bytes"]``; ``notes["attention"]`` names the attention kernels the
+    step ran (PyTorch's choice for fake CPU tensors: the fused flash kernel where SDPA allows
+    it, which saves about what a GPU's FlashAttention or memory-efficient kernel saves).
+    ``notes["estimated_for"]`` names the device, and the
     times are rooflines (the fastest the device could run each operation): an extra time
     predicted from them is a share of the step, which real kernels keep better than seconds.
 
@@ -105,7 +108,7 @@ def estimate(
         _forward_under_autocast(model, autocast),
     ):
         fake_sample = _fake_tree(sample, mode)
-        with mode, ModeledClock(spec):
+        with mode, ModeledClock(spec) as clock:
             predicted = profile(
                 model, fake_sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output,
                 repeats=1,
@@ -125,6 +128,10 @@ def estimate(
             default=0,
         )
     predicted.device = spec.kind
+    forward_kernels = sorted(k for k in clock.attention_kernels if not k.endswith("_backward"))
+    predicted.notes["attention"] = (
+        ", ".join(forward_kernels) if forward_kernels
+        else "no fused attention kernel ran (any attention was matmuls and softmax)")
     predicted.notes.update(
         estimated_for=spec.name,
         memory_parts=parts,
