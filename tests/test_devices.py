@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradckpt import devices
-from gradckpt.devices import ALIASES, DEVICES, DeviceSpec, device_spec, format_device
+from gradckpt.devices import ALIASES, DEVICES, DeviceSpec, device_spec, format_device, this_machine
 from gradckpt.errors import GradckptWarning, UsageError, forget_warnings
 
 GIB = 2**30
@@ -288,22 +288,22 @@ def test_this_measures_plausible_numbers_and_caches_them(cpu_cache, monkeypatch)
 
     cached = json.loads(cpu_cache.read_text())
     assert len(cached["entries"]) == 1
-    monkeypatch.setattr(devices, "_measure", _refuse)
+    monkeypatch.setattr(this_machine, "_measure", _refuse)
     assert device_spec("this") == spec
     assert device_spec(None) == spec
 
 
 def test_refresh_measures_again(cpu_cache, monkeypatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(devices, "_measure", _fake_measure(calls))
+    monkeypatch.setattr(this_machine, "_measure", _fake_measure(calls))
     first = device_spec("this")
     assert device_spec("This") == first
     assert len(calls) == 1
-    monkeypatch.setattr(devices, "_measure", _fake_measure(calls, fp32=3e11))
+    monkeypatch.setattr(this_machine, "_measure", _fake_measure(calls, fp32=3e11))
     refreshed = device_spec("this", refresh=True)
     assert len(calls) == 2
     assert refreshed.flops_per_second[torch.float32] == 3e11
-    monkeypatch.setattr(devices, "_measure", _refuse)
+    monkeypatch.setattr(this_machine, "_measure", _refuse)
     assert device_spec("this") == refreshed  # the refreshed numbers replaced the old ones
     assert refreshed.flops_per_second.get(torch.float16) is None  # not measured: fp32 fallback
 
@@ -320,7 +320,7 @@ def test_refresh_measures_again(cpu_cache, monkeypatch) -> None:
 def test_a_corrupt_cache_is_measured_over(cpu_cache, monkeypatch, content: str) -> None:
     cpu_cache.write_text(content)
     calls: list[int] = []
-    monkeypatch.setattr(devices, "_measure", _fake_measure(calls))
+    monkeypatch.setattr(this_machine, "_measure", _fake_measure(calls))
     spec = device_spec("this")
     assert len(calls) == 1 and spec.flops_per_second[torch.float32] == 1e11
     assert len(json.loads(cpu_cache.read_text())["entries"]) == 1
@@ -338,7 +338,7 @@ def test_a_corrupt_cache_is_measured_over(cpu_cache, monkeypatch, content: str) 
 )
 def test_a_damaged_entry_is_measured_over(cpu_cache, monkeypatch, damage) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(devices, "_measure", _fake_measure(calls))
+    monkeypatch.setattr(this_machine, "_measure", _fake_measure(calls))
     device_spec("this")
     content = json.loads(cpu_cache.read_text())
     (entry,) = content["entries"].values()
@@ -350,7 +350,7 @@ def test_a_damaged_entry_is_measured_over(cpu_cache, monkeypatch, damage) -> Non
 
 def test_another_thread_count_is_another_device(cpu_cache, monkeypatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(devices, "_measure", _fake_measure(calls))
+    monkeypatch.setattr(this_machine, "_measure", _fake_measure(calls))
     device_spec("this")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
     spec = device_spec("this")
@@ -361,10 +361,11 @@ def test_another_thread_count_is_another_device(cpu_cache, monkeypatch) -> None:
 def test_cache_directory_defaults(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("GRADCKPT_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert devices._cache_path() == tmp_path / "xdg" / "gradckpt" / "this-device.json"
+    assert this_machine._cache_path() == tmp_path / "xdg" / "gradckpt" / "this-device.json"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert devices._cache_path() == tmp_path / "home" / ".cache" / "gradckpt" / "this-device.json"
+    expected = tmp_path / "home" / ".cache" / "gradckpt" / "this-device.json"
+    assert this_machine._cache_path() == expected
 
 
 def test_an_unwritable_cache_warns_and_still_answers(tmp_path, monkeypatch) -> None:
@@ -373,7 +374,7 @@ def test_an_unwritable_cache_warns_and_still_answers(tmp_path, monkeypatch) -> N
     monkeypatch.setenv("GRADCKPT_CACHE_DIR", str(blocker / "cache"))  # a dir under a file
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     calls: list[int] = []
-    monkeypatch.setattr(devices, "_measure", _fake_measure(calls))
+    monkeypatch.setattr(this_machine, "_measure", _fake_measure(calls))
     forget_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
