@@ -44,7 +44,7 @@ R5. Recomputation raises ``_RecomputationComplete`` the moment the last slot is 
 # with and what measuring shares with the engine, so that it records a block's call and tells
 # tensors apart exactly as the engine does. Later stages import these from here, never the
 # engine's underscore names, so that the engine's insides can change without them.
-from .ambient import AutocastSnapshot
+from .ambient import AutocastSnapshot, RngSnapshot
 from .debug import debug_mode
 from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
 from .region import checkpoint
@@ -60,6 +60,7 @@ __all__ = [
     "debug_mode",
     # internal interface for gradckpt's own stages
     "AutocastSnapshot",
+    "RngSnapshot",
     "checkpoint_segments",
     "SegmentsHandle",
     "continues_chain",

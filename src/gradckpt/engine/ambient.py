@@ -285,3 +285,5 @@ class _BufferGuard:
 # The internal interface's name (gradckpt.engine): measuring re-runs a block under the autocast
 # settings of its call in the step, as recomputation does.
 AutocastSnapshot = _AutocastSnapshot
+# And to tell whether code drew random numbers (measure.torch_checkpoints' diagnostic).
+RngSnapshot = _RngSnapshot

@@ -28,6 +28,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from ..engine import RngSnapshot
 from ..errors import warn_once
 
 __all__ = ["torch_checkpoints_watched"]
@@ -45,7 +46,7 @@ class _Watch:
     def saw_checkpoint(self, *, reentrant: bool, inputs: tuple) -> None:
         if self.running and self.running[-1] not in self.nested_in:
             self.nested_in.append(self.running[-1])
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        tensors = _tensors(inputs)
         if reentrant and torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):
             self.frozen_reentrant = True
 
@@ -77,15 +78,8 @@ class _Watch:
             )
 
 
-def _rng_states() -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.extend(torch.cuda.get_rng_state_all())
-    return states
-
-
-def _rng_moved(before: list[torch.Tensor]) -> bool:
-    return any(not torch.equal(a, b) for a, b in zip(before, _rng_states(), strict=True))
+def _tensors(inputs: tuple) -> list[torch.Tensor]:
+    return [x for x in inputs if isinstance(x, torch.Tensor)]
 
 
 def _watching_reentrant(original: Any, watch: _Watch) -> Any:
@@ -93,9 +87,9 @@ def _watching_reentrant(original: Any, watch: _Watch) -> Any:
         @classmethod
         def apply(cls, function: Any, preserve_rng_state: bool, *args: Any) -> Any:
             watch.saw_checkpoint(reentrant=True, inputs=args)
-            before = None if preserve_rng_state else _rng_states()
+            before = None if preserve_rng_state else RngSnapshot(_tensors(args))
             output = original.apply(function, preserve_rng_state, *args)
-            if before is not None and _rng_moved(before):
+            if before is not None and before.moved():
                 watch.random_without_replay = True
             return output
 
@@ -106,7 +100,7 @@ def _watching_non_reentrant(original: Any, watch: _Watch) -> Any:
     def watched(fn: Any, preserve_rng_state: bool = True, *rest: Any, **kwargs: Any) -> Any:
         # rest: context_fn, determinism_check, debug, early_stop, then the inputs.
         watch.saw_checkpoint(reentrant=False, inputs=rest[4:])
-        before = None if preserve_rng_state else _rng_states()
+        before = None if preserve_rng_state else RngSnapshot(_tensors(rest[4:]))
         inner = original(fn, preserve_rng_state, *rest, **kwargs)
         next(inner)  # torch's pre-forward part; then the caller runs the forward
         try:
@@ -114,7 +108,7 @@ def _watching_non_reentrant(original: Any, watch: _Watch) -> Any:
         except BaseException as error:
             inner.throw(error)
             raise
-        if before is not None and _rng_moved(before):
+        if before is not None and before.moved():
             watch.random_without_replay = True
         yield from inner  # torch's post-forward part
 
