@@ -25,6 +25,7 @@ from .cost import plan_for
 from .devices import DeviceSpec
 from .errors import UsageError
 from .measure import estimate as estimate_one_process
+from .measure.estimate import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 from .profile_types import Profile
 
 __all__ = ["estimate", "shard"]
@@ -88,9 +89,9 @@ def shard(predicted: Profile, world_size: int) -> Profile:
     """
     parts = dict(predicted.notes["memory_parts"])
     keep = 1 / world_size
-    parameter_bytes = parts.get("parameters", 0)
-    gradient_bytes = parts.get("gradients (trainable parameters)", 0)
-    optimizer_bytes = parts.get("optimizer state", 0)
+    parameter_bytes = parts.get(PARAMETERS, 0)
+    gradient_bytes = parts.get(GRADIENTS, 0)
+    optimizer_bytes = parts.get(OPTIMIZER_STATE, 0)
     largest_gradients = max((block.gradient_bytes for block in predicted.blocks), default=0)
     gathered = 2 * predicted.notes.get("largest_block_parameter_bytes", 0) + largest_gradients
     # Parameters and optimizer state are allocated all step (fixed); gradients as backward
@@ -99,8 +100,8 @@ def shard(predicted: Profile, world_size: int) -> Profile:
     gradients_away = int((1 - keep) * gradient_bytes)
     blocks = [dataclasses.replace(block, gradient_bytes=int(block.gradient_bytes * keep))
               for block in predicted.blocks]
-    for name, size in (("parameters", parameter_bytes), ("optimizer state", optimizer_bytes),
-                       ("gradients (trainable parameters)", gradient_bytes)):
+    for name, size in ((PARAMETERS, parameter_bytes), (OPTIMIZER_STATE, optimizer_bytes),
+                       (GRADIENTS, gradient_bytes)):
         if name in parts:
             parts[name] = int(size * keep)
     parts[GATHERED] = gathered

@@ -147,12 +147,14 @@ def plan_memory_parts(profile: Profile, plan: Plan, optimizer: str) -> dict[str,
         >>> list(parts)[:3]
         ['parameters', 'gradients (trainable parameters)', 'activations kept for backward (under this plan)']
     """  # noqa: E501  (a doctest's output is one line)
+    from gradckpt.measure.estimate import ACTIVATIONS, OPTIMIZER_STATE
+
     parts = {}
     for name, size in profile.notes["memory_parts"].items():
-        if name.startswith("activations"):  # estimate's: the step without checkpointing
+        if name == ACTIVATIONS:  # estimate's: the step without checkpointing
             name = "activations kept for backward (under this plan)"
             size = retained_activation_bytes(profile, plan)
-        elif name == "optimizer state":
+        elif name == OPTIMIZER_STATE:
             name = f"optimizer state ({optimizer})"
         parts[name] = size
     return parts

@@ -29,11 +29,15 @@ from ..engine import storage_key
 from ..errors import UsageError
 from ..profile_types import Profile
 from ..reserved import optimizer_state_bytes
+from .blocks import resolve_blocks
 from .clock import ModeledClock
 from .profile import profile
 from .step import run_model
 
-__all__ = ["CUDA_RESERVE", "CUDA_RESERVE_BYTES", "estimate", "memory_parts"]
+__all__ = [
+    "ACTIVATIONS", "CUDA_RESERVE", "CUDA_RESERVE_BYTES", "GRADIENTS", "OPTIMIZER_STATE",
+    "PARAMETERS", "estimate", "memory_parts",
+]
 
 
 def estimate(
@@ -124,7 +128,7 @@ def estimate(
             parts["mixed-precision copies of the parameters"] = copies
         predicted.notes["largest_block_parameter_bytes"] = max(
             (sum(p.numel() * p.element_size() for p in module.parameters())
-             for module in _block_modules(model, predicted)),
+             for _, module in resolve_blocks(model, [b.name for b in predicted.blocks])),
             default=0,
         )
     predicted.device = spec.kind
@@ -145,6 +149,12 @@ def estimate(
 # max_memory_allocated(): the CUDA context (kernels, cuBLAS/cuDNN workspaces: 0.5-1 GiB on
 # recent GPUs and drivers) and the caching allocator's fragmentation. A fixed allowance.
 CUDA_RESERVE = "CUDA context and allocator reserve (outside the peak)"
+# The names of the parts that sharding divides among ranks (gradckpt.sharding) and the command
+# line looks up.
+PARAMETERS = "parameters"
+GRADIENTS = "gradients (trainable parameters)"
+OPTIMIZER_STATE = "optimizer state"
+ACTIVATIONS = "activations kept for backward (no checkpointing)"
 CUDA_RESERVE_BYTES = 2 * 2**30
 
 
@@ -159,10 +169,10 @@ def memory_parts(
 
     unique = {id(p): p for p in model.parameters()}.values()
     parts = {
-        "parameters": sum(size(p) for p in unique),
-        "gradients (trainable parameters)": sum(size(p) for p in unique if p.requires_grad),
-        "optimizer state": optimizer_bytes,
-        "activations kept for backward (no checkpointing)": sum(
+        PARAMETERS: sum(size(p) for p in unique),
+        GRADIENTS: sum(size(p) for p in unique if p.requires_grad),
+        OPTIMIZER_STATE: optimizer_bytes,
+        ACTIVATIONS: sum(
             b.saved_bytes + b.side_bytes for b in predicted.blocks),
         "logits, loss and their gradients (the output head)": predicted.head_bytes,
     }
@@ -216,11 +226,6 @@ def _fake_state(
     finally:
         for table, name, value in originals:
             table[name] = value
-
-
-def _block_modules(model: nn.Module, predicted: Profile) -> list[nn.Module]:
-    modules = dict(model.named_modules())
-    return [modules[block.name] for block in predicted.blocks if block.name in modules]
 
 
 @contextlib.contextmanager
