@@ -164,13 +164,7 @@ class RecordAtFirstStep(transformers.TrainerCallback):
 
 class MeterTheSteps(transformers.TrainerCallback):
     """The memory meter around the training steps only: from the first step's beginning to the
-    last step's end, after profiling (whose steps run without checkpointing, above the budget).
-
-    On CPU the meter is torch's MemTracker, which refuses a second forward pass of the model in
-    one session ("MemTracker does not support memory tracking for multiple iterative calls")
-    unless its per-module statistics are cleared in between (``MemoryMeter.next_step``). Those
-    are not what the meter reads: it reads the running total of live tensors, which clearing
-    them leaves as it is. So they are cleared after every micro-batch."""
+    last step's end, after profiling (whose steps run without checkpointing, above the budget)."""
 
     def __init__(self) -> None:
         self.meter: MemoryMeter | None = None
@@ -179,14 +173,9 @@ class MeterTheSteps(transformers.TrainerCallback):
         if self.meter is None:
             self.meter = MemoryMeter("cpu", model).__enter__()
 
-    def on_substep_end(self, args, state, control, **kwargs) -> None:
-        self.meter.next_step()
-
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if state.global_step >= state.max_steps:
             self.meter.__exit__(None, None, None)
-        else:
-            self.meter.next_step()
 
 
 def test_trains_exactly_as_without_the_callback(tmp_root: Path) -> None:

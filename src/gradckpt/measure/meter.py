@@ -20,6 +20,7 @@ works).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -87,9 +88,7 @@ class MemoryMeter(TorchDispatchMode):
     def current(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        snapshot = self._tracker.get_tracker_snapshot("current")
-        return int(sum(breakdown.get("Total", 0) for device, breakdown in snapshot.items()
-                       if torch.device(device) == self.device))
+        return self._tracker.total_bytes(self.device)
 
     def peak(self) -> int:
         if self.device.type == "cuda":
@@ -105,13 +104,6 @@ class MemoryMeter(TorchDispatchMode):
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._highest = self.current()
-
-    def next_step(self) -> None:
-        """Call between training steps when one meter spans several (a Trainer run): on CPU,
-        torch's MemTracker refuses a module's second forward pass unless its per-module
-        statistics are cleared; the running total and the peak are kept."""
-        if self._tracker is not None:
-            self._tracker.reset_mod_stats()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         output = func(*args, **(kwargs or {}))
@@ -165,8 +157,22 @@ def _mem_tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class _MemTracker(MemTracker):
-        """MemTracker that leaves frozen parameters without gradient hooks (see the module
-        docstring). It marks them as hooked already, which is all its loop checks."""
+        """MemTracker counting totals only.
+
+        - Frozen parameters get no gradient hooks (see the module docstring): they are marked
+          as hooked already, which is all MemTracker's loop checks.
+        - No per-module statistics: MemTracker snapshots (deep copies) the memory at every
+          module's entry and exit and walks every module it has seen after every operation,
+          to keep peaks per module; the meter reads one total. On an 8B-parameter model
+          estimated on fake tensors that bookkeeping was most of the time. Its module
+          tracker (hooks on every module and on every output for backward) is replaced by
+          one forward pre-hook that counts the parameters and buffers of modules seen for the
+          first time, the one thing the per-module hooks did that changes the total.
+        """
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = _FirstForwardTracker(self)
 
         def _track_module_params_and_buffers(
             self, module: nn.Module, install_grad_hooks: bool = True
@@ -176,4 +182,46 @@ def _mem_tracker_class() -> type:
                     self._param_to_grad_hook_handles.setdefault(parameter, (_NoHook(), _NoHook()))
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            pass  # the meter keeps its own peak of the total
+
+        def total_bytes(self, device: torch.device) -> int:
+            """Bytes counted on ``device`` now (the snapshot's "Total", without copying it)."""
+            return int(sum(breakdown.get("Total", 0)
+                           for where, breakdown in self._curr_mem_snap.items()
+                           if torch.device(where) == device))
+
     return _MemTracker
+
+
+class _FirstForwardTracker:
+    """Stands in for MemTracker's ``ModTracker``: when a module runs for the first time, its
+    parameters and buffers are counted (with gradient hooks), as MemTracker's pre-forward hook
+    does. Backward is never reported (``is_bw``), which only changes how MemTracker labels
+    the bytes it counts, not their total."""
+
+    is_bw = False
+    parents = frozenset({"Global"})
+
+    def __init__(self, tracker: Any) -> None:
+        self._tracker = tracker
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._handle: Any = None
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def _first_forward(self, module: nn.Module, args: Any) -> None:
+        if module not in self._seen:
+            self._seen.add(module)
+            self._tracker._track_module_params_and_buffers(module, install_grad_hooks=True)
+
+    def __enter__(self) -> _FirstForwardTracker:
+        self._handle = nn.modules.module.register_module_forward_pre_hook(self._first_forward)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.remove()
