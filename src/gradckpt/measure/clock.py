@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["ModeledClock", "Roofline", "now"]
+__all__ = ["ModeledClock", "Roofline", "modeled", "now"]
 
 
 class Roofline(Protocol):
@@ -36,6 +36,11 @@ def now() -> float:
     if _active:
         return _active[-1].elapsed
     return time.perf_counter()
+
+
+def modeled() -> bool:
+    """Whether ``now()`` reads a ``ModeledClock`` (the step runs on fake tensors)."""
+    return bool(_active)
 
 
 class ModeledClock(TorchDispatchMode):

@@ -38,6 +38,7 @@ from ..adapters import adapted
 from ..engine import first_tensor, storage_key
 from ..errors import UsageError
 from ..profile_types import BlockProfile, Profile
+from . import clock
 from .block import measure_block
 from .blocks import resolve_blocks
 from .device import infer_device
@@ -107,7 +108,8 @@ def profile(
     report = _progress_callback(progress)
     device = infer_device(model)
     modules = [m for _, m in named_blocks]
-    steps = 1 + repeats + 1 + len(modules)  # warm-up, timed steps, memory step, each block
+    warm_up = 0 if clock.modeled() else 1  # a modeled clock has no caches to warm
+    steps = warm_up + repeats + 1 + len(modules)  # warm-up, timed steps, memory step, blocks
     with (
         gradients_preserved(model),
         buffers_and_rng_preserved(model),
@@ -144,7 +146,8 @@ def profile(
             training_step(model, sample, loss_fn, keep_output)
             advance()
 
-        step()  # warm-up: lazy initialisations, allocator caches
+        if warm_up:
+            step()  # lazy initialisations, allocator caches
         with BlockForwardTimer(modules, device) as timer:
 
             def timed_step() -> None:
@@ -161,19 +164,26 @@ def profile(
         saved_side_inputs = []
         time_ratios = []
         model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
-        for (name, module), call, gradient_bytes, forward_in_step in zip(
-            named_blocks, calls, _gradient_bytes(modules), in_step_forward, strict=True
+        kinds = [block_kind(module, call) for module, call in zip(modules, calls, strict=True)]
+        # On fake tensors timed by a modeled clock (estimate), identical blocks measure the
+        # same: each one's first pass is checked against the first like it, the rest reused.
+        alike: dict[Any, tuple[BlockProfile, dict[int, int], Any]] = {}
+        for (name, module), call, gradient_bytes, forward_in_step, kind in zip(
+            named_blocks, calls, _gradient_bytes(modules), in_step_forward, kinds, strict=True
         ):
+            sides = call.side_storages(model_storages)
+            key = (kind, tuple(p.requires_grad for p in module.parameters()),
+                   tuple(sorted(sides.items())), gradient_bytes, forward_in_step)
             with call.ambient():
                 block, saved_sides, ratios = measure_block(
                     name, module, call, repeats, device, gradient_bytes, forward_in_step,
-                    call.side_storages(model_storages),
+                    sides, like=alike.get(key) if clock.modeled() else None,
                 )
+            alike.setdefault(key, (block, saved_sides, ratios))
             measured.append(block)
             saved_side_inputs.append(saved_sides)
             time_ratios.append(ratios)
             advance()
-    kinds = [block_kind(module, call) for module, call in zip(modules, calls, strict=True)]
     measured = pooled_times(measured, time_ratios, kinds)
     measured, output_held_bytes = with_side_inputs(
         measured, recording, chain_breaks, model_storages, saved_side_inputs,
