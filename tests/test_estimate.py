@@ -34,7 +34,8 @@ def test_estimate_and_profile_agree_on_bytes(case) -> None:
                                 repeats=1)
     model = predictions.fresh(case)
     before = {name: p.detach().clone() for name, p in model.state_dict().items()}
-    predicted = gradckpt.estimate(model, sample, loss_fn=case.loss_fn, device="h100-80gb")
+    # For this machine: on a GPU target, attention runs the GPU's kernel (test_estimate_attention).
+    predicted = gradckpt.estimate(model, sample, loss_fn=case.loss_fn, device="this")
     assert [b.name for b in predicted.blocks] == [b.name for b in measured.blocks]
     for ours, theirs in zip(predicted.blocks, measured.blocks, strict=True):
         assert ours.saved_bytes == theirs.saved_bytes, ours.name
@@ -52,7 +53,7 @@ def test_estimate_and_profile_agree_on_bytes(case) -> None:
     after = model.state_dict()
     assert all(torch.equal(after[name], value) for name, value in before.items())
     assert not any("Fake" in type(p).__name__ for p in model.parameters())
-    assert predicted.notes["estimated_for"] == "h100-80gb"
+    assert predicted.notes["estimated_for"] == "this"
     if case.name in ("qwen2", "vit"):  # Llama here has attention dropout: the math path
         assert "flash_attention" in predicted.notes["attention"]
     if case.name in ("cnn", "lora"):
@@ -205,7 +206,7 @@ def test_autocast_mixed_precision_is_estimated_as_it_measures() -> None:
         torch.autocast("cpu", dtype=torch.bfloat16)(type(wrapped).forward), wrapped)
     measured = gradckpt.profile(wrapped, sample, repeats=1)
     model = predictions.fresh(case)
-    predicted = gradckpt.estimate(model, sample, device="h100-80gb", autocast=torch.bfloat16)
+    predicted = gradckpt.estimate(model, sample, device="this", autocast=torch.bfloat16)
     assert predicted.peak_bytes == measured.peak_bytes
     assert [b.saved_bytes for b in predicted.blocks] == [b.saved_bytes for b in measured.blocks]
     copies = predicted.notes["memory_parts"]["mixed-precision copies of the parameters"]

@@ -60,8 +60,9 @@ def device_spec(
             - a dict of numbers for any other device: ``memory`` (bytes, or a size such as
               ``"24GiB"``), ``bf16_tflops``, ``fp32_tflops``, ``bandwidth_gbps`` (GB/s,
               10**9 bytes per second, as datasheets print it), and optionally ``fp16_tflops``
-              (default: ``bf16_tflops``), ``name`` (default ``"custom"``), ``description`` and
-              ``kind`` (``"cuda"`` or ``"cpu"``);
+              (default: ``bf16_tflops``), ``name`` (default ``"custom"``), ``description``,
+              ``kind`` (``"cuda"`` or ``"cpu"``) and ``compute_capability`` (``"9.0"``; it
+              decides which attention kernel the estimate assumes; default ``"8.0"``'s rules);
             - a ``DeviceSpec``, returned as it is.
         refresh: measure ``"this"`` again even when the cache holds it (other devices ignore it).
 
@@ -150,7 +151,7 @@ def _unknown_device_message(given: str, key: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 _REQUIRED_KEYS = ("memory", "bf16_tflops", "fp32_tflops", "bandwidth_gbps")
-_OPTIONAL_KEYS = ("fp16_tflops", "name", "description", "kind")
+_OPTIONAL_KEYS = ("fp16_tflops", "name", "description", "kind", "compute_capability")
 
 
 def _spec_from_numbers(numbers_given: Mapping[str, Any]) -> DeviceSpec:
@@ -196,7 +197,26 @@ def _spec_from_numbers(numbers_given: Mapping[str, Any]) -> DeviceSpec:
         memory_bandwidth_bytes_per_second=bandwidth * GIGA,
         source="given by the user",
         kind=text["kind"],
+        compute_capability=_capability(numbers_given.get("compute_capability")),
     )
+
+
+def _capability(value: Any) -> tuple[int, int] | None:
+    """``"9.0"``, ``9.0``, ``[9, 0]`` or ``(9, 0)`` as ``(9, 0)``; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        parts: Any = value
+    else:
+        parts = str(value).strip().split(".")
+    try:
+        major, minor = (int(part) for part in parts)
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"device dict: 'compute_capability' must look like \"9.0\" or [9, 0] (the GPU's "
+            f"CUDA compute capability), got {value!r}"
+        ) from None
+    return (major, minor)
 
 
 # The sizes ``gradckpt.budget.parse_budget`` reads, less its budget-only forms ("auto", "60%").

@@ -17,6 +17,7 @@ def _preset(
     fp32_tflops: float,
     bandwidth_gb_per_second: float,
     source: str,
+    compute_capability: tuple[int, int],
 ) -> DeviceSpec:
     # FP16 and BF16 tensor-core rates are equal on every GPU listed (the datasheets print one
     # figure for both), and PyTorch accumulates both in fp32.
@@ -31,6 +32,7 @@ def _preset(
         },
         memory_bandwidth_bytes_per_second=bandwidth_gb_per_second * GIGA,
         source=source,
+        compute_capability=compute_capability,
     )
 
 
@@ -52,6 +54,7 @@ DEVICES: dict[str, DeviceSpec] = {
                 f"NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: FP32 67 TFLOPS, BF16 "
                 f"Tensor Core 1,979 TFLOPS*, 80GB HBM3 at 3.35TB/s; {_DENSE}"
             ),
+            compute_capability=(9, 0),
         ),
         _preset(
             name="h100-pcie-80gb",
@@ -64,6 +67,7 @@ DEVICES: dict[str, DeviceSpec] = {
                 f"NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column: FP32 51 TFLOPS, BF16 "
                 f"Tensor Core 1,513 TFLOPS*, 80GB HBM2e at 2TB/s; {_DENSE}"
             ),
+            compute_capability=(9, 0),
         ),
         _preset(
             name="h200-141gb",
@@ -77,6 +81,7 @@ DEVICES: dict[str, DeviceSpec] = {
                 f"TFLOPS*, 141GB HBM3e at 4.8TB/s; {_DENSE}; FP32 67 TFLOPS as the H100 SXM (the "
                 f"same GH100 compute), from memory: verify"
             ),
+            compute_capability=(9, 0),
         ),
         _preset(
             name="a100-80gb",
@@ -89,6 +94,7 @@ DEVICES: dict[str, DeviceSpec] = {
                 "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column: FP32 19.5 TFLOPS, "
                 "BF16 Tensor Core 312 TFLOPS (624* with sparsity), 80GB HBM2e at 2,039GB/s"
             ),
+            compute_capability=(8, 0),
         ),
         _preset(
             name="a100-40gb",
@@ -101,6 +107,7 @@ DEVICES: dict[str, DeviceSpec] = {
                 "NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM column: FP32 19.5 TFLOPS, "
                 "BF16 Tensor Core 312 TFLOPS (624* with sparsity), 40GB HBM2 at 1,555GB/s"
             ),
+            compute_capability=(8, 0),
         ),
         _preset(
             name="l4-24gb",
@@ -113,6 +120,7 @@ DEVICES: dict[str, DeviceSpec] = {
                 f"NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS, BF16 Tensor Core 242 "
                 f"TFLOPS*, 24GB GDDR6 at 300GB/s; {_DENSE}"
             ),
+            compute_capability=(8, 9),
         ),
         _preset(
             name="rtx4090-24gb",
@@ -128,6 +136,7 @@ DEVICES: dict[str, DeviceSpec] = {
                 "PyTorch accumulates in FP32), 24GB GDDR6X at 1,008GB/s; the tensor figure is from "
                 "memory, matched by third-party spec tables (165.15 TFLOPS): verify"
             ),
+            compute_capability=(8, 9),
         ),
     )
 }

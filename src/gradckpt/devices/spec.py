@@ -56,6 +56,9 @@ class DeviceSpec:
         memory_bandwidth_bytes_per_second: peak DRAM bandwidth (HBM / GDDR / system RAM).
         source: where the numbers come from (a datasheet, or how they were measured).
         kind: ``"cuda"`` for GPUs, ``"cpu"`` for a CPU.
+        compute_capability: a GPU's CUDA compute capability, ``(9, 0)`` for Hopper: which
+            fused attention kernel PyTorch picks depends on it (``measure.attention``). ``None``
+            for a CPU; for a GPU given by numbers, the rules of ``(8, 0)`` are assumed.
 
     Example:
         >>> import torch
@@ -77,6 +80,7 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_second: float
     source: str
     kind: str = "cuda"
+    compute_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -105,6 +109,16 @@ class DeviceSpec:
             raise UsageError(
                 f"DeviceSpec {self.name!r} kind must be 'cuda' or 'cpu', got {self.kind!r}"
             )
+        capability = self.compute_capability
+        if capability is not None and not (
+            isinstance(capability, tuple) and len(capability) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                    for n in capability)
+        ):
+            raise UsageError(
+                f"DeviceSpec {self.name!r} compute_capability must be a (major, minor) tuple of "
+                f"ints such as (9, 0), got {capability!r}"
+            )
         # Read-only, so that a preset shared by the whole process cannot be edited by accident.
         object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
 
@@ -120,6 +134,7 @@ class DeviceSpec:
                 self.memory_bandwidth_bytes_per_second,
                 self.source,
                 self.kind,
+                self.compute_capability,
             ),
         )
 

@@ -60,6 +60,8 @@ def _this_device(*, refresh: bool) -> DeviceSpec:
         memory_bandwidth_bytes_per_second=entry["memory_bandwidth_bytes_per_second"],
         source=f"measured here on {entry['measured_at']} ({entry['method']}); cached in {path}",
         kind=kind,
+        compute_capability=(
+            tuple(torch.cuda.get_device_capability(device)) if device is not None else None),
     )
 
 

@@ -29,6 +29,7 @@ from ..engine import storage_key
 from ..errors import UsageError
 from ..profile_types import Profile
 from ..reserved import optimizer_state_bytes
+from .attention import TargetAttention
 from .blocks import resolve_blocks
 from .clock import ModeledClock
 from .profile import profile
@@ -51,6 +52,7 @@ def estimate(
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     keep_output: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
     """Predict what ``gradckpt.profile`` would measure, without running the model for real.
 
@@ -58,7 +60,7 @@ def estimate(
         model: the model; its parameters may be real, or on the meta device (a model too big
             for this machine: ``with torch.device("meta"): model = Model(config)``).
         sample: one batch, as for ``profile``; its tensors may be real or on the meta device.
-        loss_fn, blocks, keep_output: as for ``profile``.
+        loss_fn, blocks, keep_output, progress: as for ``profile``.
         device: the device the step will run on: a preset name (``"h100-80gb"``, see
             ``gradckpt.devices.DEVICES``), ``"this"`` (this machine, its throughput measured
             once), a ``DeviceSpec`` or a dict of numbers. Only times depend on it.
@@ -82,8 +84,9 @@ def estimate(
     loses but the peak, as ``max_memory_allocated`` measures it, does not count), the largest
     in ``notes["largest_part"]``, and what the device has for the peak in
     ``notes["device_usable_bytes"]``; ``notes["attention"]`` names the attention kernels the
-    step ran (PyTorch's choice for fake CPU tensors: the fused flash kernel where SDPA allows
-    it, which saves about what a GPU's FlashAttention or memory-efficient kernel saves).
+    step ran: on a GPU target, each ``scaled_dot_product_attention`` call runs the kernel
+    PyTorch would pick on that GPU (cuDNN, FlashAttention-2, memory-efficient or the math
+    path: ``gradckpt.measure.attention``), so the bytes it saves are the target's.
     ``notes["estimated_for"]`` names the device, and the
     times are rooflines (the fastest the device could run each operation): an extra time
     predicted from them is a share of the step, which real kernels keep better than seconds.
@@ -112,10 +115,12 @@ def estimate(
         _forward_under_autocast(model, autocast),
     ):
         fake_sample = _fake_tree(sample, mode)
-        with mode, ModeledClock(spec) as clock:
+        # On a GPU, attention runs the kernel that GPU would pick (not this CPU's choice).
+        target = TargetAttention(spec.compute_capability) if spec.kind == "cuda" else None
+        with mode, ModeledClock(spec) as clock, target or contextlib.nullcontext():
             predicted = profile(
                 model, fake_sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output,
-                repeats=1,
+                repeats=1, progress=progress,
             )
             copies = _parameter_copy_bytes(model, fake_sample) if autocast is not None else 0
         # Still with the fake parameters: their dtype is the one trained in (optimizer state
@@ -132,10 +137,7 @@ def estimate(
             default=0,
         )
     predicted.device = spec.kind
-    forward_kernels = sorted(k for k in clock.attention_kernels if not k.endswith("_backward"))
-    predicted.notes["attention"] = (
-        ", ".join(forward_kernels) if forward_kernels
-        else "no fused attention kernel ran (any attention was matmuls and softmax)")
+    predicted.notes["attention"] = _attention_note(clock, target, spec)
     predicted.notes.update(
         estimated_for=spec.name,
         memory_parts=parts,
@@ -143,6 +145,28 @@ def estimate(
         device_usable_bytes=spec.memory_bytes - parts.get(CUDA_RESERVE, 0),
     )
     return predicted
+
+
+_KERNEL_NAMES = {
+    "cudnn": "cuDNN attention", "flash": "FlashAttention-2",
+    "efficient": "memory-efficient attention", "math": "the math path (matmuls and softmax)",
+}
+
+
+def _attention_note(clock: ModeledClock, target: TargetAttention | None, spec: DeviceSpec
+                    ) -> str:
+    """Which attention kernels the estimate ran: the target GPU's choice, or on a CPU what
+    PyTorch ran on the fake CPU tensors."""
+    if target is not None:
+        if not target.kernels:
+            return "no scaled_dot_product_attention call (attention, if any, in matmuls)"
+        chosen = ", ".join(_KERNEL_NAMES[kernel] for kernel in sorted(target.kernels))
+        major, minor = target.capability
+        return (f"{chosen}: what PyTorch picks on {spec.name} (compute capability "
+                f"{major}.{minor}) for these tensors")
+    ran = sorted(k for k in clock.attention_kernels if not k.endswith("_backward"))
+    return (", ".join(ran) if ran
+            else "no fused attention kernel ran (any attention was matmuls and softmax)")
 
 
 # What a process on a GPU loses before its first tensor and never sees in
