@@ -25,7 +25,7 @@ import contextlib
 import functools
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import UsageError
 from ..policies import PolicyLike, resolve_policy
+from .compiled import compiling, torch_checkpoint
 from .debug import _debug_state
 from .policy_mode import _PolicyMode
 from .region import _Region, _unpack
@@ -130,6 +131,13 @@ class SegmentsHandle:
             for j in range(len(self.blocks))
         }
         self.hooks = []
+        # Under torch.compile the hooks stand aside and each block of a segment runs as a
+        # torch.utils.checkpoint region of its own (compiled.py: what survives compilation).
+        self.lowered = [
+            _lower_for_compile(block, _policy_of(index, segments))
+            for index, block in enumerate(self.blocks)
+            if any(s.start <= index <= s.end for s in segments)
+        ]
         for index, block in enumerate(self.blocks):
             self.hooks.append(
                 block.register_forward_pre_hook(
@@ -148,11 +156,14 @@ class SegmentsHandle:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        for restore in self.lowered:
+            restore()
+        self.lowered = []
 
     # ---- hooks ----------------------------------------------------------------------------
 
     def before_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or compiling():
             return
         for run in self.runs.values():
             if run.segment.start < index <= run.segment.end:
@@ -162,6 +173,8 @@ class SegmentsHandle:
                 self.open(segment, args, kwargs)
 
     def after_block(self, index: int, block: nn.Module, args: tuple, output: Any) -> None:
+        if compiling():
+            return
         if output is None and sys.exc_info()[0] is not None:  # it raised: leave no hooks behind
             self.abort_runs()
             return
@@ -234,6 +247,40 @@ class SegmentsHandle:
             return output
         finally:
             self.replaying.stack.pop()
+
+
+def _policy_of(index: int, segments: list[_Segment]) -> PolicyLike:
+    """The policy of the segment holding block ``index`` that has one (at most one does:
+    ``apply`` puts policies on top-level segments without children)."""
+    return next((s.policy for s in segments
+                 if s.start <= index <= s.end and s.policy is not None), None)
+
+
+def _lower_for_compile(block: nn.Module, policy: PolicyLike) -> Callable[[], None]:
+    """Give ``block`` a forward that, while ``torch.compile`` traces it with gradients, runs
+    as one ``torch.utils.checkpoint`` region under ``policy``, and otherwise is the block's
+    own forward; return what puts the block's forward back."""
+    original = block.forward
+    had_own = "forward" in block.__dict__
+    own = block.__dict__.get("forward")
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if compiling() and torch.is_grad_enabled():
+            return torch_checkpoint(original, args, kwargs, policy)
+        return original(*args, **kwargs)
+
+    block.forward = forward
+
+    def restore() -> None:
+        if block.__dict__.get("forward") is not forward:
+            return  # something wrapped it again since: leave theirs in place
+        if had_own:
+            block.forward = own
+        else:
+            del block.forward
+
+    return restore
 
 
 def checkpoint_segments(
