@@ -19,6 +19,7 @@ from .errors import BudgetError
 from .measure import infer_device, profile
 from .plan import Plan
 from .profile_types import Profile
+from .ranks import agreed_on_every_rank
 from .solvers import solve
 
 __all__ = ["enable", "solve_reserving"]
@@ -77,6 +78,9 @@ def solve_reserving(
     percentage is of the peak without checkpointing, the reserved memory included. A budget
     too small says the smallest that works, ``reserved_for`` naming what was added.
 
+    Under ``torch.distributed`` with several ranks, rank 0 solves and every rank gets its plan
+    (or its error): one plan for all ranks (``gradckpt.ranks``).
+
     Example:
         >>> from gradckpt.profile_types import BlockProfile
         >>> from gradckpt.cli.sqrt_table import homogeneous_chain
@@ -89,6 +93,14 @@ def solve_reserving(
         ...
         gradckpt.errors.BudgetError: budget 100 B does not even hold Adam's state, 200 B; ...
     """
+    return agreed_on_every_rank(lambda: _solve_reserving(
+        measured, budget, strategy, reserved_bytes, reserved_for, device))
+
+
+def _solve_reserving(
+    measured: Profile, budget: int | str | None, strategy: str, reserved_bytes: int,
+    reserved_for: str, device: torch.device | str | None,
+) -> Plan:
     if budget is None:
         return solve(measured, None, strategy)
     budget_bytes = parse_budget(

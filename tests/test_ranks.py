@@ -1,0 +1,111 @@
+"""One plan for all ranks (issue 16): two gloo processes that time the model differently get
+rank 0's plan, and an infeasible budget fails on both instead of leaving one waiting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gradckpt
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(config)
+
+
+def skewed(profile: gradckpt.Profile, rank: int) -> gradckpt.Profile:
+    """Rank 1 measures its even blocks 20 times slower: a slow, noisy rank."""
+    if rank == 0:
+        return profile
+    blocks = [
+        dataclasses.replace(
+            block, **{field: getattr(block, field) * 20 for field in (
+                "forward_seconds", "backward_seconds", "checkpointed_extra_seconds",
+                "policy_extra_seconds")})
+        if index % 2 == 0 else block
+        for index, block in enumerate(profile.blocks)
+    ]
+    return dataclasses.replace(profile, blocks=blocks)
+
+
+def worker(rank: int, port: int, out: str, budget: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        # The module, not the function gradckpt.enable that its package attribute names.
+        enable_module = sys.modules["gradckpt.enable"]
+        measure = enable_module.profile
+        alone: list = []
+
+        def profile_skewed(*args, **kwargs):
+            measured = skewed(measure(*args, **kwargs), rank)
+            try:  # what this rank would choose on its own
+                alone.append(gradckpt.solve(measured, int(0.6 * measured.peak_bytes)).to_json())
+            except gradckpt.BudgetError:
+                alone.append(None)
+            return measured
+
+        enable_module.profile = profile_skewed
+        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+        try:
+            plan = gradckpt.enable(tiny_llama(), {"input_ids": ids, "labels": ids},
+                                   budget=budget)
+            result = {"plan": plan.to_json(), "alone": alone[0]}
+        except gradckpt.BudgetError as error:
+            result = {"error": str(error), "minimum": error.minimum_bytes}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(tmp_path: Path, budget: str) -> list[dict]:
+    context = mp.spawn(worker, args=(free_port(), str(tmp_path), budget), nprocs=WORLD,
+                       join=False)
+    # join() raises a rank's exception with its traceback, and returns False while some rank
+    # still runs (it returns as each one ends).
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("a rank hung")
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_ranks_that_time_differently_get_rank_0s_plan(tmp_path: Path) -> None:
+    first, second = run_two_ranks(tmp_path, "60%")
+    assert first["alone"] != second["alone"]  # on their own they would disagree
+    assert first["plan"] == second["plan"] == first["alone"]
+
+
+def test_an_infeasible_budget_fails_on_every_rank(tmp_path: Path) -> None:
+    first, second = run_two_ranks(tmp_path, "1KiB")
+    assert "error" in first and "error" in second
+    assert first["minimum"] == second["minimum"]
+    assert "rank 0" in second["error"]
