@@ -1,0 +1,135 @@
+"""DDP with a plan applied (issue 16): two gloo processes on CPU.
+
+The plan is applied to the bare model (``gradckpt.enable``, one plan for both ranks), then the
+model is wrapped in ``DistributedDataParallel``. Each rank trains on its own half of the batch;
+the reference is one process without checkpointing computing the same average gradient. Cases:
+with and without ``find_unused_parameters``, ``static_graph=True``, and gradient accumulation
+with ``no_sync()`` over two micro-batches. A recomputation that marked a parameter ready twice
+would fail DDP with "Expected to mark a variable ready only once"; a wrong recomputation would
+change the gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+import gradckpt
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+CASES = {
+    "plain": {},
+    "find_unused_parameters": {"find_unused_parameters": True},
+    "static_graph": {"static_graph": True},
+}
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+        attention_dropout=0.1)  # dropout: the recomputation must replay each rank's RNG
+    return transformers.LlamaForCausalLM(config)
+
+
+def micro_batches(rank: int, count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, 256, (2, 32), generator=generator)
+        batches.append({"input_ids": ids, "labels": ids})
+    return batches
+
+
+def local_gradients(model: torch.nn.Module, batches: list[dict], seed: int) -> dict:
+    """One rank's gradients for its micro-batches, without DDP and without a plan."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    for batch in batches:
+        out = model(**batch)
+        out.loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def worker(rank: int, port: int, out: str, case: str, accumulate: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        count = 2 if accumulate else 1
+        mine = micro_batches(rank, count)
+        # The reference: each rank's plain gradients (same seed, so the same dropout masks as
+        # the planned run below), averaged over ranks as DDP averages them.
+        reference = local_gradients(tiny_llama(), mine, seed=rank)
+        for gradient in reference.values():
+            dist.all_reduce(gradient)
+            gradient /= WORLD
+        model = tiny_llama()
+        plan = gradckpt.enable(model, mine[0], budget="70%")
+        ddp = DistributedDataParallel(model, **CASES[case])
+        torch.manual_seed(rank)
+        for index, batch in enumerate(mine):
+            last = index == len(mine) - 1
+            with ddp.no_sync() if not last else _nothing():
+                output = ddp(**batch)
+                output.loss.backward()
+        worst = max((p.grad - reference[name]).abs().max().item()
+                    for name, p in model.named_parameters())
+        result = {"worst": worst, "recomputed": len(plan.segments)}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(tmp_path: Path, *args: object) -> list[dict]:
+    context = mp.spawn(worker, args=(free_port(), str(tmp_path), *args), nprocs=WORLD,
+                       join=False)
+    # join() raises a rank's exception with its traceback, and returns False while some rank
+    # still runs (it returns as each one ends).
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("a rank hung")
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_with_a_plan_gives_the_gradients_of_one_plain_process(tmp_path, case) -> None:
+    for result in run_two_ranks(tmp_path, case, False):
+        assert result["recomputed"] > 0
+        assert result["worst"] < 1e-5, result
+
+
+def test_gradient_accumulation_under_no_sync(tmp_path) -> None:
+    for result in run_two_ranks(tmp_path, "plain", True):
+        assert result["recomputed"] > 0
+        assert result["worst"] < 1e-5, result
