@@ -38,7 +38,7 @@ from .compiled import compiling, torch_checkpoint
 from .debug import _debug_state
 from .policy_mode import _PolicyMode
 from .region import _Region, _unpack
-from .tensors import detached_like, first_tensor
+from .tensors import detached_like, first_tensor, storage_key
 
 __all__ = ["checkpoint_segments", "SegmentsHandle"]
 
@@ -69,7 +69,31 @@ def continues_chain(args: tuple, kwargs: dict, previous_output: Any) -> bool:
         >>> continues_chain((x,), {}, x), continues_chain((memory,), {"context": x}, x)
         (True, False)
     """
-    return previous_output is not None and first_tensor((args, kwargs)) is previous_output
+    return previous_output is not None and is_alias(first_tensor((args, kwargs)), previous_output)
+
+
+def is_alias(tensor: Any, other: torch.Tensor) -> bool:
+    """``tensor`` is ``other``, or the same elements of the same storage under another tensor
+    object: what a hook that passes a block's input through an identity autograd function
+    gives (FSDP2's pre-forward hook does, to hook the input's gradient).
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2, 3)
+        >>> is_alias(x, x), is_alias(x.view_as(x), x), is_alias(x[0], x), is_alias(x + 0, x)
+        (True, True, False, False)
+    """
+    if tensor is other:
+        return True
+    if not isinstance(tensor, torch.Tensor) or storage_key(tensor) is None:
+        return False
+    return (
+        storage_key(tensor) == storage_key(other)
+        and tensor.shape == other.shape
+        and tensor.stride() == other.stride()
+        and tensor.storage_offset() == other.storage_offset()
+        and tensor.dtype == other.dtype
+    )
 
 
 class _CallRecord:
@@ -79,7 +103,8 @@ class _CallRecord:
     def __init__(self, args: tuple, kwargs: dict, chain_input: torch.Tensor) -> None:
         leaves, self.spec = tree_flatten((args, kwargs))
         self.continues = continues_chain(args, kwargs, chain_input)
-        self.holes = {i for i, leaf in enumerate(leaves) if leaf is chain_input}
+        self.holes = {i for i, leaf in enumerate(leaves)
+                      if chain_input is not None and is_alias(leaf, chain_input)}
         # The other tensors (masks, position embeddings, ...) exist outside the blocks anyway;
         # detached, so recomputation builds a graph of its own, with the same requires_grad.
         self.leaves = [

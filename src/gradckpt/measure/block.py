@@ -4,15 +4,16 @@ times as multiples of its forward (``timing.py`` pools those over identical bloc
 
 from __future__ import annotations
 
+import contextlib
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..engine import checkpoint, first_tensor, storage_key
+from ..engine import checkpoint_segments, first_tensor, storage_key
 from ..errors import UsageError
 from ..policies import PLANNED_POLICY
 from ..profile_types import BlockProfile
@@ -155,11 +156,13 @@ def _checkpointed_peaks(
     """
     # The forward runs inside the tracker too: the recomputation frees kept outputs that
     # backward does not save, and a tracker only sees the frees of tensors it knows.
-    with MemoryMeter(device, block, *tensors_in(call.leaves)) as memory:
+    with MemoryMeter(device, block, *tensors_in(call.leaves)) as memory, _planned_alone(
+        block, policy
+    ):
         args, kwargs, _ = call.fresh()
         start = memory.current()
         memory.reset_peak()
-        output = _block_output(checkpoint(block, *args, policy=policy, **kwargs))
+        output = _block_output(block(*args, **kwargs))
         forward_peak = memory.peak() - start
         gradient = torch.ones_like(output)
         start = memory.current()
@@ -180,10 +183,24 @@ def _checkpointed_step(
 
     def forward_and_backward() -> None:
         args, kwargs, _ = call.fresh()
-        out = _block_output(checkpoint(block, *args, policy=policy, **kwargs))
-        out.backward(torch.ones_like(out))
+        with _planned_alone(block, policy):
+            out = _block_output(block(*args, **kwargs))
+            out.backward(torch.ones_like(out))
 
     return forward_and_backward
+
+
+@contextlib.contextmanager
+def _planned_alone(block: nn.Module, policy: str | None) -> Iterator[None]:
+    """``block`` checkpointed on its own as ``apply`` does it (a one-block segment): its hooks
+    open and close the region, so that other hooks on the block run outside it, as in a
+    planned step (FSDP2's all-gather before the block, its reshard after)."""
+    handle = checkpoint_segments([block], [(0, 0)], policies=[policy],
+                                 names=[type(block).__name__])
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _block_output(output: Any) -> torch.Tensor:
