@@ -11,16 +11,10 @@ change the gradients.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import time
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from multiprocess import WORLD, answer, join_group, run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 import gradckpt
@@ -29,7 +23,6 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-WORLD = 2
 CASES = {
     "plain": {},
     "find_unused_parameters": {"find_unused_parameters": True},
@@ -66,8 +59,7 @@ def local_gradients(model: torch.nn.Module, batches: list[dict], seed: int) -> d
 
 
 def worker(rank: int, port: int, out: str, case: str, accumulate: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, port)
     try:
         count = 2 if accumulate else 1
         mine = micro_batches(rank, count)
@@ -89,7 +81,7 @@ def worker(rank: int, port: int, out: str, case: str, accumulate: bool) -> None:
         worst = max((p.grad - reference[name]).abs().max().item()
                     for name, p in model.named_parameters())
         result = {"worst": worst, "recomputed": len(plan.segments)}
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        answer(out, rank, result)
     finally:
         dist.destroy_process_group()
 
@@ -102,34 +94,17 @@ class _nothing:
         pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def run_two_ranks(tmp_path: Path, *args: object) -> list[dict]:
-    context = mp.spawn(worker, args=(free_port(), str(tmp_path), *args), nprocs=WORLD,
-                       join=False)
-    # join() raises a rank's exception with its traceback, and returns False while some rank
-    # still runs (it returns as each one ends).
-    deadline = time.monotonic() + 240
-    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("a rank hung")
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_ddp_with_a_plan_gives_the_gradients_of_one_plain_process(tmp_path, case) -> None:
-    for result in run_two_ranks(tmp_path, case, False):
+    for result in run_ranks(worker, tmp_path, case, False):
         assert result["recomputed"] > 0
         assert result["worst"] < 1e-5, result
 
 
 def test_gradient_accumulation_under_no_sync(tmp_path) -> None:
-    for result in run_two_ranks(tmp_path, "plain", True):
+    for result in run_ranks(worker, tmp_path, "plain", True):
         assert result["recomputed"] > 0
         assert result["worst"] < 1e-5, result

@@ -4,17 +4,13 @@ rank 0's plan, and an infeasible budget fails on both instead of leaving one wai
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from multiprocess import answer, join_group, run_ranks
 
 import gradckpt
 
@@ -22,13 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-WORLD = 2
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -55,8 +45,7 @@ def skewed(profile: gradckpt.Profile, rank: int) -> gradckpt.Profile:
 
 
 def worker(rank: int, port: int, out: str, budget: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, port)
     try:
         # The module, not the function gradckpt.enable that its package attribute names.
         enable_module = sys.modules["gradckpt.enable"]
@@ -79,33 +68,21 @@ def worker(rank: int, port: int, out: str, budget: str) -> None:
             result = {"plan": plan.to_json(), "alone": alone[0]}
         except gradckpt.BudgetError as error:
             result = {"error": str(error), "minimum": error.minimum_bytes}
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        answer(out, rank, result)
     finally:
         dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path: Path, budget: str) -> list[dict]:
-    context = mp.spawn(worker, args=(free_port(), str(tmp_path), budget), nprocs=WORLD,
-                       join=False)
-    # join() raises a rank's exception with its traceback, and returns False while some rank
-    # still runs (it returns as each one ends).
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("a rank hung")
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
 def test_ranks_that_time_differently_get_rank_0s_plan(tmp_path: Path) -> None:
-    first, second = run_two_ranks(tmp_path, "60%")
+    first, second = run_ranks(worker, tmp_path, "60%")
     assert first["alone"] != second["alone"]  # on their own they would disagree
     assert first["plan"] == second["plan"] == first["alone"]
 
 
 def test_an_infeasible_budget_fails_on_every_rank(tmp_path: Path) -> None:
-    first, second = run_two_ranks(tmp_path, "1KiB")
+    first, second = run_ranks(worker, tmp_path, "1KiB")
     assert "error" in first and "error" in second
     assert first["minimum"] == second["minimum"]
     assert "rank 0" in second["error"]
