@@ -14,13 +14,16 @@ from gradckpt.cli import known_configs as known_configs_module
 from gradckpt.cli import main
 from gradckpt.cli.known_configs import KNOWN_CONFIGS, KnownConfig
 from gradckpt.cli.model_lookup import build_known_model
+from gradckpt.measure.estimate import GRADIENTS, PARAMETERS
 from gradckpt.plan import Plan
+from gradckpt.sharding import GATHERED
 
 transformers = pytest.importorskip("transformers")
 
 # The keys docs/cli.md promises in the --json object of an estimate.
 JSON_KEYS = {
-    "model", "description", "batch", "seq", "dtype", "optimizer", "plan", "profile", "device",
+    "model", "description", "batch", "seq", "dtype", "optimizer", "world_size", "plan",
+    "profile", "device",
     "memory_parts", "memory_parts_without_checkpointing", "largest_part",
     "device_usable_bytes", "fits",
 }
@@ -62,6 +65,7 @@ def test_a_config_json_estimated_for_an_h100_prints_plan_breakdown_and_fit(estim
     assert "largest part: " in out
     assert "fits: predicted peak " in out and "of 78.00 GiB usable on h100-80gb" in out
     assert "sizes, not one instant" in out and "rooflines" in out
+    assert "per rank" not in out and GATHERED not in out  # one process: nothing sharded
 
 
 def test_the_estimate_json_holds_the_documented_keys(estimated):
@@ -76,6 +80,7 @@ def test_the_estimate_json_holds_the_documented_keys(estimated):
     assert report["device_usable_bytes"] == 78 * 2**30
     assert report["largest_part"] in report["memory_parts"]
     assert report["fits"] is True and plan.predicted_peak_bytes <= report["device_usable_bytes"]
+    assert report["world_size"] == 1
     # The optimizer's state is in every plan's peak: two fp32 moments per parameter.
     parameters = report["memory_parts"]["parameters"]
     assert report["memory_parts"]["optimizer state (adamw)"] == 2 * parameters
@@ -115,6 +120,8 @@ def test_an_unknown_target_device_is_a_usage_error_listing_the_known_ones(
          "not a JSON object of numbers"),
         (["plan", "llama3-8b", "--estimate", "--strategy", "sqrt", "--device", "h100"],
          "unknown model 'llama3-8b'; did you mean 'llama-3-8b'?"),
+        (["plan", "tinygpt", "--strategy", "sqrt", "--world-size", "8"],
+         "--world-size 8 is for --estimate: a measured plan profiles one process"),
     ],
 )
 def test_usage_errors_of_estimates_are_one_line_and_exit_2(arguments, expected, capsys):
@@ -197,3 +204,102 @@ def test_a_config_that_cannot_be_built_says_why(config, expected, tmp_path, caps
     assert main(["plan", str(path), "--estimate", "--device", "h100", "--strategy", "sqrt"]) == 1
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and expected in lines[0], lines
+
+
+# --------------------------------------------------------------------------------------------
+# --world-size N: one rank of N sharding the model (FSDP2, ZeRO-3)
+# --------------------------------------------------------------------------------------------
+
+
+def _estimate_json(arguments: list[str], json_path: Path, capsys) -> tuple[str, dict]:
+    assert main([*arguments, "--json", str(json_path)]) == 0
+    return capsys.readouterr().out, json.loads(json_path.read_text())
+
+
+def test_world_size_estimates_one_rank_of_a_sharded_run(tiny_llama_config, tmp_path, capsys):
+    arguments = ["plan", str(tiny_llama_config), "--estimate", "--device", "h100-80gb",
+                 "--batch", "2", "--seq", "32", "--strategy", "sqrt", "--optimizer", "adamw"]
+    _, whole = _estimate_json(arguments, tmp_path / "whole.json", capsys)
+    out, rank = _estimate_json([*arguments, "--world-size", "4"], tmp_path / "rank.json", capsys)
+
+    assert "batch 2 x 32, float32, optimizer adamw, per rank of 4 (FSDP2/ZeRO-3 sharding)\n" in out
+    assert "peak without checkpointing " in out and " per rank, the optimizer's state" in out
+    for label in ("parameters (1/4 per rank)", "gradients (trainable parameters, 1/4 per rank)",
+                  "optimizer state (adamw, 1/4 per rank)", GATHERED,
+                  "activations kept for backward (under this plan)"):
+        assert f"\n{label} " in out, label
+    assert "fits: predicted peak per rank " in out and "usable on each h100-80gb" in out
+    assert "Per rank of 4: each keeps 1/4 of the parameters" in out
+
+    # The JSON keeps the parts' plain names; what each rank keeps is a quarter of the whole.
+    assert set(rank) == JSON_KEYS and (whole["world_size"], rank["world_size"]) == (1, 4)
+    for name in (PARAMETERS, GRADIENTS, "optimizer state (adamw)"):
+        assert rank["memory_parts"][name] == whole["memory_parts"][name] // 4, name
+    assert rank["memory_parts"][GATHERED] > 0 and GATHERED not in whole["memory_parts"]
+    assert rank["memory_parts_without_checkpointing"][GATHERED] == rank["memory_parts"][GATHERED]
+    # Activations are one rank's batch's either way.
+    activations = "activations kept for backward (under this plan)"
+    assert rank["memory_parts"][activations] == whole["memory_parts"][activations]
+
+
+def test_world_size_1_is_the_default_and_prints_no_ranks(tmp_path, capsys):
+    arguments = ["plan", "mlp-chain", "--estimate", "--device", "l4", "--batch", "2", "--seq",
+                 "4", "--strategy", "none"]
+    default_out, default = _estimate_json(arguments, tmp_path / "default.json", capsys)
+    one_out, one = _estimate_json([*arguments, "--world-size", "1"], tmp_path / "one.json",
+                                  capsys)
+    assert default == one and default["world_size"] == 1
+    assert default_out.replace(str(tmp_path / "default.json"), "") == one_out.replace(
+        str(tmp_path / "one.json"), "")
+    assert "per rank" not in one_out and "Per rank" not in one_out
+
+
+def test_a_plan_that_does_not_fit_one_rank_suggests_more_ranks(tmp_path, capsys):
+    device = json.dumps({"memory": "64KiB", "bf16_tflops": 10, "fp32_tflops": 5,
+                         "bandwidth_gbps": 100, "name": "toy", "kind": "cpu"})
+    assert main(["plan", "mlp-chain", "--estimate", "--device", device, "--batch", "2", "--seq",
+                 "4", "--strategy", "none", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit: predicted peak per rank " in out and "usable on each toy" in out
+    assert "no plan fits" in out and "more ranks or a larger device" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_world_size_that_is_not_a_positive_integer_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own errors exit from parse_args
+        main(["plan", "mlp-chain", "--estimate", "--strategy", "none", "--world-size", value])
+    assert exit_info.value.code == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert lines == [
+        f"gradckpt plan: usage error: argument --world-size: expected a positive integer, got "
+        f"{value!r} (see 'gradckpt plan --help')"
+    ]
+
+
+def test_the_help_says_the_budget_is_per_rank(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--world-size N with --estimate: predict one of N ranks" in help_text
+    assert "the budget, the peak and the memory parts are then per rank" in help_text
+
+
+@pytest.mark.slow
+def test_llama_3_8b_on_8_ranks_keeps_an_eighth_of_its_parameters_per_rank(tmp_path, capsys):
+    """The whole 8B model on the meta device, estimated once (about 10 s): one process would
+    hold its 8,030,261,248 parameters in bf16 (the known config's published size, as the
+    --world-size 1 run reports them: docs/cli.md); each of 8 ranks holds an eighth."""
+    whole_parameter_bytes = 2 * 8_030_261_248
+    out, rank = _estimate_json(
+        ["plan", "llama-3-8b", "--estimate", "--device", "h100-80gb", "--batch", "1", "--seq",
+         "8192", "--strategy", "none", "--optimizer", "adamw", "--world-size", "8"],
+        tmp_path / "rank.json", capsys,
+    )
+    assert "8.03B parameters" in out and "per rank of 8 (FSDP2/ZeRO-3 sharding)" in out
+    parts = rank["memory_parts"]
+    assert parts[PARAMETERS] == whole_parameter_bytes // 8
+    assert parts[GRADIENTS] == whole_parameter_bytes // 8
+    assert parts["optimizer state (adamw)"] == 2 * whole_parameter_bytes // 8  # two bf16 moments
+    assert parts[GATHERED] > 0  # FSDP's buffers: sharding.py's model, tested there
+    # Without checkpointing one process needs 107.86 GiB; sharded 8 ways, it fits an H100.
+    assert rank["fits"] is True

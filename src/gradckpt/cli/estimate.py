@@ -5,7 +5,10 @@ the model.
 with the model built on the meta device (no weights), so an 8B model plans on a laptop in under
 a minute; the solvers then plan it as they plan a measured profile. What is printed: the model
 and the target device, the per-block plan (``str(plan)``, as for a measured plan), what takes
-the memory part by part, and whether the predicted peak fits the device.
+the memory part by part, and whether the predicted peak fits the device. With ``--world-size N``
+all of it is for one of N ranks sharding the model (``gradckpt.sharding``): the parameters,
+gradients and optimizer state it keeps (1/N), what it gathers in full while a block computes,
+and whether that fits one device.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .errors import CommandLineError
 from .frontier import plot_plan
 from .memory_parts import retained_activation_bytes
 from .model_lookup import resolve_model
-from .progress import stage
+from .progress import progress_bar, stage
 
 if TYPE_CHECKING:
     from gradckpt.devices import DeviceSpec
@@ -86,17 +89,19 @@ def run_estimate(args: argparse.Namespace) -> int:
     dtype_name = DTYPES[args.dtype] if args.dtype else target.config_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None
     optimizer = None if args.optimizer == "none" else args.optimizer
-    stage(f"estimating one training step and each block on fake tensors, for {spec.name}")
-    profile = gradckpt.estimate(
-        target.model, target.sample, device=spec, optimizer=optimizer, dtype=dtype,
-        keep_output=not args.drop_output,
-    )
+    with progress_bar(f"gradckpt: estimating on fake tensors for {spec.name}") as report:
+        profile = gradckpt.estimate(
+            target.model, target.sample, device=spec, optimizer=optimizer, dtype=dtype,
+            keep_output=not args.drop_output, world_size=args.world_size, progress=report,
+        )
     usable_bytes = profile.notes["device_usable_bytes"]
     # "auto" is what the target has for the peak, not what this machine has free.
     budget = usable_bytes if str(args.budget).strip().lower() == "auto" else args.budget
     plan = gradckpt.solve(profile, budget, args.strategy)
     parts = plan_memory_parts(profile, plan, args.optimizer)
     largest = max(parts, key=parts.get)
+    world_size = profile.notes.get("world_size", 1)
+    labels = {name: part_label(name, world_size) for name in parts}
 
     names = [block.name for block in profile.blocks]
     parameter_count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
@@ -104,19 +109,21 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(
         f"{target.description}: {_count(parameter_count)} parameters, {len(names)} blocks "
         f"({names[0]} .. {names[-1]}), batch {args.batch} x {args.seq}, {trained_dtype}, "
-        f"optimizer {args.optimizer}"
+        f"optimizer {args.optimizer}{_per_rank(world_size)}"
     )
     print(f"estimated for {format_device(spec)}")
     held = ", the optimizer's state included" if optimizer else ""
+    per_rank = " per rank" if world_size > 1 else ""
     print(
         f"predicted, not measured: peak without checkpointing {format_bytes(profile.peak_bytes)}"
-        f"{held}; step {profile.step_seconds:.3g} s (roofline)"
+        f"{per_rank}{held}; step {profile.step_seconds:.3g} s (roofline)"
     )
     print()
     print(plan)
     print()
-    print(breakdown_table(parts, spec.memory_bytes))
-    print(f"largest part: {largest}, {format_bytes(parts[largest])}")
+    print(breakdown_table({labels[name]: size for name, size in parts.items()},
+                          spec.memory_bytes))
+    print(f"largest part: {labels[largest]}, {format_bytes(parts[largest])}")
     print(fit_line(profile, plan, spec))
     print(
         "The parts are sizes, not one instant: activations are freed as gradients are made, so "
@@ -124,6 +131,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         f"{_device_name(spec)}; times are rooflines (the fastest it could run each operation): "
         "read the extra time as a share of the step, not as seconds."
     )
+    if world_size > 1:
+        print(
+            f"Per rank of {world_size}: each keeps 1/{world_size} of the parameters, gradients "
+            "and optimizer state, and holds in full what FSDP2 gathers (the parts naming FSDP); "
+            "--batch is one rank's batch. The step time leaves out the all-gathers and "
+            "reduce-scatters."
+        )
     if args.json:
         report = estimate_json(args, target.description, trained_dtype, profile, plan, spec,
                                parts)
@@ -160,14 +174,35 @@ def plan_memory_parts(profile: Profile, plan: Plan, optimizer: str) -> dict[str,
     return parts
 
 
+def part_label(name: str, world_size: int) -> str:
+    """How the table names a memory part: with ``world_size`` ranks sharding the model, the
+    parts each rank keeps 1/N of say so (``--json`` keeps the plain names).
+
+    Example:
+        >>> part_label("parameters", 8)
+        'parameters (1/8 per rank)'
+        >>> part_label("optimizer state (adamw)", 8)
+        'optimizer state (adamw, 1/8 per rank)'
+        >>> part_label("parameters", 1)
+        'parameters'
+    """
+    from gradckpt.measure.estimate import GRADIENTS, PARAMETERS
+
+    sharded = name in (PARAMETERS, GRADIENTS) or name.startswith("optimizer state (")
+    if world_size == 1 or not sharded:
+        return name
+    share = f"1/{world_size} per rank"
+    return f"{name[:-1]}, {share})" if name.endswith(")") else f"{name} ({share})"
+
+
 def breakdown_table(parts: dict[str, int], device_bytes: int) -> str:
     """What takes the memory, largest first, each part's size and share of the device.
 
     Example:
         >>> print(breakdown_table({"parameters": 2**30, "gradients": 2**29}, 4 * 2**30))
-        what takes the memory (parts, not one instant)      size  of the device
-        parameters                                      1.00 GiB            25%
-        gradients                                     512.00 MiB            12%
+        what takes the memory (parts, not one instant)        size  of the device
+        parameters                                        1.00 GiB            25%
+        gradients                                       512.00 MiB            12%
     """
     from gradckpt.budget import format_bytes
     from gradckpt.tables import format_table
@@ -197,13 +232,17 @@ def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
 
     usable_bytes = profile.notes["device_usable_bytes"]
     reserve_bytes = spec.memory_bytes - usable_bytes
-    room = f"{format_bytes(usable_bytes)} usable on {_device_name(spec)}"
+    world_size = profile.notes.get("world_size", 1)
+    each = "each " if world_size > 1 else ""
+    room = f"{format_bytes(usable_bytes)} usable on {each}{_device_name(spec)}"
     if reserve_bytes:
         room += (
             f" ({format_bytes(spec.memory_bytes)} less {format_bytes(reserve_bytes)} for the CUDA "
             "context and allocator reserve)"
         )
     peak = format_bytes(plan.predicted_peak_bytes)
+    if world_size > 1:
+        peak = f"per rank {peak}"
     if plan.predicted_peak_bytes <= usable_bytes:
         return f"fits: predicted peak {peak} of {room}"
     try:
@@ -219,7 +258,8 @@ def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
     else:
         advice = (
             f"no plan fits: the least any plan reaches is {format_bytes(least_bytes)}; use a "
-            "smaller batch or sequence, a lighter optimizer or dtype, or a larger device"
+            "smaller batch or sequence, a lighter optimizer or dtype, "
+            + ("more ranks " if world_size > 1 else "") + "or a larger device"
         )
     return f"does not fit: predicted peak {peak}, above the {room}; {advice}"
 
@@ -237,6 +277,7 @@ def estimate_json(
         "seq": args.seq,
         "dtype": trained_dtype,
         "optimizer": args.optimizer,
+        "world_size": profile.notes.get("world_size", 1),
         "plan": json.loads(plan.to_json()),
         "profile": {
             "peak_bytes": profile.peak_bytes,
@@ -261,6 +302,18 @@ def estimate_json(
         "device_usable_bytes": usable_bytes,
         "fits": plan.predicted_peak_bytes <= usable_bytes,
     }
+
+
+def _per_rank(world_size: int) -> str:
+    """What the header adds for a sharded estimate.
+
+    Example:
+        >>> _per_rank(8)
+        ', per rank of 8 (FSDP2/ZeRO-3 sharding)'
+        >>> _per_rank(1)
+        ''
+    """
+    return f", per rank of {world_size} (FSDP2/ZeRO-3 sharding)" if world_size > 1 else ""
 
 
 def _device_name(spec: DeviceSpec) -> str:

@@ -30,6 +30,8 @@ examples:
   gradckpt plan mypackage.models:build --budget 2GiB --json plan.json --plot frontier.png
   gradckpt plan llama-3-8b --estimate --device h100 --batch 1 --seq 8192 --budget 70GiB \\
       --optimizer adamw                           # predicted: no GPU, no weights, < 1 min
+  gradckpt plan llama-3-8b --estimate --device h100 --batch 1 --seq 8192 --budget 70GiB \\
+      --optimizer adamw --world-size 8            # one rank of 8 sharding it (FSDP2, ZeRO-3)
 """
 
 
@@ -152,7 +154,8 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
             "With --estimate nothing runs for real: the step is predicted on fake tensors for "
             "the target device named by --device (configs are built on the meta device, with "
             "no weights), so models this machine cannot hold plan in under a minute; it also "
-            "prints whether the plan fits the device."
+            "prints whether the plan fits the device. With --world-size N it is predicted for "
+            "one of N ranks sharding the model (FSDP2, ZeRO-3)."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -220,5 +223,17 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         'object of numbers: \'{"memory": "48GiB", "bf16_tflops": 180, "fp32_tflops": 90, '
         '"bandwidth_gbps": 960}\'',
     )
+    plan.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="with --estimate: predict one of N ranks that shard the parameters, gradients and "
+        "optimizer state as FSDP2 (fully_shard) and ZeRO-3 do, each holding 1/N of them plus "
+        "what FSDP2 gathers in full (a block's parameters while it computes); the budget, the "
+        "peak and the memory parts are then per rank, and --batch is one rank's batch (default "
+        "1: one process holding the whole model)",
+    )
     plan.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     plan.set_defaults(func=run_plan)
+

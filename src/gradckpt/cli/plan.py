@@ -107,6 +107,12 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError(
             "MODEL is missing (see 'gradckpt plan --list' for built-ins and known configs)"
         )
+    if args.world_size != 1 and not args.estimate:
+        raise CommandLineError(
+            f"--world-size {args.world_size} is for --estimate: a measured plan profiles one "
+            "process on this machine holding the whole model; add --estimate (and --device, "
+            "the target GPU) to predict one rank of a sharded (FSDP2, ZeRO-3) run"
+        )
     if args.dtype is not None and not args.estimate:
         raise CommandLineError(
             "--dtype is for --estimate; a measured plan runs the model in the dtype it is "
