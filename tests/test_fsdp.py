@@ -53,6 +53,11 @@ def sharded_gradients(scenario: str, batch: dict, planned: bool) -> tuple[dict, 
         segments = [[s.start, s.end] for s in plan.segments]
     shard(model, scenario)
     if planned and scenario == "after":
+        per_rank = gradckpt.profile(model, batch, repeats=1)
+        whole = gradckpt.profile(tiny_llama(), batch, repeats=1)
+        parameter_bytes = sum(p.numel() * p.element_size() for p in tiny_llama().parameters())
+        # A rank holds half the parameters (and of the gradients once reduce-scattered).
+        assert per_rank.fixed_bytes <= whole.fixed_bytes - parameter_bytes // 2 // 2
         plan = gradckpt.enable(model, batch, budget="70%")
         segments = [[s.start, s.end] for s in plan.segments]
     out = model(**batch)
