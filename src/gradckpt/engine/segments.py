@@ -285,27 +285,39 @@ def _lower_for_compile(block: nn.Module, policy: PolicyLike) -> Callable[[], Non
     """Give ``block`` a forward that, while ``torch.compile`` traces it with gradients, runs
     as one ``torch.utils.checkpoint`` region under ``policy``, and otherwise is the block's
     own forward; return what puts the block's forward back."""
-    original = block.forward
-    had_own = "forward" in block.__dict__
-    own = block.__dict__.get("forward")
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if compiling() and torch.is_grad_enabled():
-            return torch_checkpoint(original, args, kwargs, policy)
-        return original(*args, **kwargs)
-
-    block.forward = forward
+    lowered = _CompiledForward(block, policy)
+    block.forward = lowered
 
     def restore() -> None:
-        if block.__dict__.get("forward") is not forward:
+        if block.__dict__.get("forward") is not lowered:
             return  # something wrapped it again since: leave theirs in place
-        if had_own:
-            block.forward = own
+        if lowered.own is not None:
+            block.forward = lowered.own
         else:
             del block.forward
 
     return restore
+
+
+class _CompiledForward:
+    """A planned block's ``forward`` (see ``_lower_for_compile``).
+
+    An object holding the block rather than a closure over its bound ``forward``: a deep copy
+    of the model (a reference model, an EMA copy) copies it with the block, so the copy's
+    forward runs the copy's parameters, where a copied closure would run the original's.
+    """
+
+    def __init__(self, block: nn.Module, policy: PolicyLike) -> None:
+        self.block = block
+        self.policy = policy
+        self.own = block.__dict__.get("forward")  # a forward set on the instance, if any
+        functools.update_wrapper(self, block.forward)  # its name, doc and signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.own or functools.partial(type(self.block).forward, self.block)
+        if compiling() and torch.is_grad_enabled():
+            return torch_checkpoint(forward, args, kwargs, self.policy)
+        return forward(*args, **kwargs)
 
 
 def checkpoint_segments(
