@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -151,3 +152,32 @@ def is_checkpointed(module: torch.nn.Module) -> bool:
         False
     """
     return isinstance(module, _CheckpointedModule)
+
+
+def replace_forward(module: torch.nn.Module, forward: Any) -> Callable[[], None]:
+    """Set ``forward`` as ``module``'s forward (an instance attribute) and return what puts
+    back the forward it had: its own instance attribute if it had one, else its class's.
+    Nothing is put back if something replaced ``forward`` again since: theirs stays.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> restore = replace_forward(layer, lambda x: x)
+        >>> layer(torch.ones(2)).tolist()
+        [1.0, 1.0]
+        >>> restore(); "forward" in layer.__dict__
+        False
+    """
+    had_own = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+    module.forward = forward
+
+    def restore() -> None:
+        if module.__dict__.get("forward") is not forward:
+            return
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward
+
+    return restore

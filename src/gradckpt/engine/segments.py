@@ -36,6 +36,7 @@ from ..errors import UsageError
 from ..policies import PolicyLike, resolve_policy
 from .compiled import compiling, torch_checkpoint
 from .debug import _debug_state
+from .module import replace_forward
 from .policy_mode import _PolicyMode
 from .region import _Region, _unpack
 from .tensors import detached_like, first_tensor, storage_key
@@ -285,18 +286,7 @@ def _lower_for_compile(block: nn.Module, policy: PolicyLike) -> Callable[[], Non
     """Give ``block`` a forward that, while ``torch.compile`` traces it with gradients, runs
     as one ``torch.utils.checkpoint`` region under ``policy``, and otherwise is the block's
     own forward; return what puts the block's forward back."""
-    lowered = _CompiledForward(block, policy)
-    block.forward = lowered
-
-    def restore() -> None:
-        if block.__dict__.get("forward") is not lowered:
-            return  # something wrapped it again since: leave theirs in place
-        if lowered.own is not None:
-            block.forward = lowered.own
-        else:
-            del block.forward
-
-    return restore
+    return replace_forward(block, _CompiledForward(block, policy))
 
 
 class _CompiledForward:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 from ..adapters import ESTIMATING, adapted
 from ..devices import DeviceSpec, device_spec
 from ..engine import storage_key
+from ..engine.module import replace_forward
 from ..errors import UsageError
 from ..profile_types import Profile
 from ..reserved import optimizer_state_bytes
@@ -258,16 +259,11 @@ def _forward_under_autocast(model: nn.Module, dtype: torch.dtype | None) -> Iter
     if dtype is None:
         yield
         return
-    had_own = "forward" in model.__dict__
-    own = model.__dict__.get("forward")
-    model.forward = torch.autocast("cpu", dtype=dtype)(model.forward)
+    restore = replace_forward(model, torch.autocast("cpu", dtype=dtype)(model.forward))
     try:
         yield
     finally:
-        if had_own:
-            model.forward = own
-        else:
-            del model.forward
+        restore()
 
 
 class _ParameterCasts(TorchDispatchMode):
