@@ -52,7 +52,7 @@ from .errors import UsageError
 from .plan import Plan, Segment
 from .profile_types import Profile
 
-__all__ = ["simulate", "plan_for", "gradients_after", "side_inputs_held"]
+__all__ = ["simulate", "phase_peaks", "plan_for", "gradients_after", "side_inputs_held"]
 
 
 def plan_for(
@@ -79,8 +79,35 @@ def plan_for(
     )
 
 
+# The step's phases, in order; its peak is the highest of them.
+PHASES = ("forward", "head", "backward", "other")
+
+
 def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
     """The step's peak memory (bytes, above ``fixed_bytes``) and extra seconds under a plan."""
+    phases, extra_seconds = _walk_step(profile, segments)
+    return max(phases[phase] for phase in PHASES), extra_seconds
+
+
+def phase_peaks(profile: Profile, segments: list[Segment]) -> dict[str, int]:
+    """The highest memory above ``fixed_bytes`` in each phase of the step under a plan:
+    ``"forward"`` (the chain's), ``"head"`` (output layer, loss and their backward),
+    ``"backward"`` (the chain's, recomputation included), ``"other"`` (outside the chain);
+    and ``"retained"``, what the chain keeps for backward when its forward ends (under
+    ``"head"``, the rest of that phase is ``Profile.head_bytes``). The step's peak is the
+    largest phase: what an infeasible budget's error explains.
+
+    Example:
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> profile = Profile(blocks, 1500, 1000, 12.0, head_bytes=300)
+        >>> phase_peaks(profile, [Segment(0, 3)])
+        {'forward': 20, 'head': 310, 'backward': 210, 'other': 0, 'retained': 10}
+    """
+    return _walk_step(profile, segments)[0]
+
+
+def _walk_step(profile: Profile, segments: list[Segment]) -> tuple[dict[str, int], float]:
     blocks = profile.blocks
     profile.validate()
     _check_segments(segments, 0, len(blocks) - 1)
@@ -90,8 +117,9 @@ def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
     retained, forward_peak, added = walk.forward(items, 0, profile.input_held(0), 0, top=True)
     head_peak = retained + profile.head_bytes
     backward_peak, _ = walk.backward(items, added, retained)
-    peak = max(forward_peak, head_peak, backward_peak, profile.other_peak_bytes)
-    return peak, walk.extra_seconds
+    phases = dict(zip(PHASES, (forward_peak, head_peak, backward_peak,
+                               profile.other_peak_bytes), strict=True))
+    return {**phases, "retained": retained}, walk.extra_seconds
 
 
 def gradients_after(profile: Profile) -> list[int]:
