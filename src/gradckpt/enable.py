@@ -21,6 +21,7 @@ from .plan import Plan
 from .profile_types import Profile
 from .ranks import agreed_on_every_rank
 from .solvers import solve
+from .solvers.infeasible import explain_infeasible
 
 __all__ = ["enable", "solve_reserving"]
 
@@ -113,16 +114,21 @@ def _solve_reserving(
             f"budget {format_bytes(budget_bytes)} does not even hold {reserved_for}, "
             f"{format_bytes(reserved_bytes)}; raise the budget",
             minimum_bytes=reserved_bytes + 1,
+            profile=measured,
         )
     try:
         plan = solve(measured, budget_bytes - reserved_bytes, strategy)
     except BudgetError as error:
         minimum = error.minimum_bytes + reserved_bytes
+        least = solve(measured, error.minimum_bytes, strategy)
         raise BudgetError(
             f"budget {format_bytes(budget_bytes)} is below the smallest peak {strategy} reaches "
             f"with {reserved_for} ({format_bytes(reserved_bytes)}) counted, "
-            f"{format_bytes(minimum)}; raise the budget to at least that",
+            f"{format_bytes(minimum)}; raise the budget to at least that.\n"
+            + explain_infeasible(measured, least.segments,
+                                 f" {reserved_for} comes on top of that peak."),
             minimum_bytes=minimum,
+            profile=measured,
         ) from None
     return dataclasses.replace(
         plan,

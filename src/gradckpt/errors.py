@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 
 class GradckptError(Exception):
@@ -17,19 +18,31 @@ class CheckpointError(GradckptError, RuntimeError):
     """Recomputation did not reproduce the forward pass of a checkpointed region.
 
     The message names the region and the first tensor (or operation) that differed. Without this
-    error the backward pass would silently use wrong activations (DESIGN.md invariant 7).
+    error the backward pass would silently use wrong activations (invariant 7 in docs/engine.md).
     """
 
 
 class BudgetError(GradckptError, ValueError):
     """No plan fits the memory budget.
 
-    ``minimum_bytes`` is the smallest budget that any plan can meet; the message states it too.
+    ``minimum_bytes`` is the smallest budget that any plan can meet; the message states it too,
+    with what the least plan's peak is made of and what would lower it. ``profile`` is the
+    ``gradckpt.Profile`` the plan was solved from (``None`` where it is not at hand: on the
+    ranks that did not solve), so that retrying needs no second measurement (where memory was
+    reserved beside the step, an optimizer's state in the Trainer callback, pass the budget
+    again instead)::
+
+        try:
+            plan = gradckpt.enable(model, batch, budget="60%")
+        except gradckpt.BudgetError as error:
+            plan = gradckpt.solve(error.profile, error.minimum_bytes)
+            gradckpt.apply(model, plan)
     """
 
-    def __init__(self, message: str, minimum_bytes: int) -> None:
+    def __init__(self, message: str, minimum_bytes: int, profile: Any = None) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
+        self.profile = profile
 
 
 class GradckptWarning(UserWarning):

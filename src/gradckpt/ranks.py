@@ -55,5 +55,6 @@ def agreed_on_every_rank(solve: Callable[[], Plan]) -> Plan:
         return Plan.from_json(rest[0])
     name, message, minimum_bytes = rest
     if name == "BudgetError":
-        raise BudgetError(f"{message} (solved on rank 0)", minimum_bytes=minimum_bytes)
+        # This rank's profile is not the one rank 0 solved from: none to retry with.
+        raise BudgetError(f"(solved on rank 0) {message}", minimum_bytes=minimum_bytes)
     raise GradckptError(f"rank 0 failed to solve the plan: {name}: {message}")

@@ -32,6 +32,7 @@ from ..plan import Plan, Segment
 from ..profile_types import Profile
 from . import chen_greedy, optimal
 from .every_layer import solve_every_layer
+from .infeasible import RETRY_WITHOUT_MEASURING, explain_infeasible
 from .none import solve_none
 from .sqrt import solve_sqrt
 
@@ -54,24 +55,26 @@ BUDGET_DRIVEN: dict[str, Callable[[Profile], int]] = {
 }
 
 
-def solve(profile: Profile, budget: int | str | None, strategy: str = "optimal") -> Plan:
+def solve(profile: Profile, budget: int | str | None = None, strategy: str = "optimal") -> Plan:
     """The plan ``strategy`` makes for ``profile`` under ``budget``.
 
     Args:
         profile: what ``gradckpt.profile`` or ``gradckpt.estimate`` returned.
         budget: the step's peak memory limit: int bytes or anything ``parse_budget`` reads
-            (``"6GiB"``, ``"60%"`` of ``profile.peak_bytes``, ...); ``None`` (no limit) only
-            for the fixed strategies ``"none"``, ``"every-layer"`` and ``"sqrt"``.
+            (``"6GiB"``, ``"60%"`` of ``profile.peak_bytes``, ...); ``None`` (the default: no
+            limit) only for the fixed strategies ``"none"``, ``"every-layer"`` and ``"sqrt"``.
         strategy: one of ``STRATEGIES``.
 
     Raises ``UsageError`` for an unknown strategy or a malformed budget, and ``BudgetError``
-    (with ``minimum_bytes``) when the strategy's plan does not fit the budget.
+    when the strategy's plan does not fit the budget: its message and ``minimum_bytes`` give the
+    smallest budget that fits, the message says what that plan's peak is made of and what would
+    lower it, and ``profile`` is this profile, to solve again without measuring again.
 
     Example:
         >>> from gradckpt.profile_types import BlockProfile, Profile
         >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
         >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
-        >>> solve(profile, None, "every-layer").predicted_overhead  # 4 s extra of a 12 s step
+        >>> solve(profile, strategy="every-layer").predicted_overhead  # 4 s extra of 12 s
         0.3333333333333333
         >>> solve(profile, "100%").segments  # fits without checkpointing: nothing to do
         []
@@ -98,15 +101,24 @@ def solve(profile: Profile, budget: int | str | None, strategy: str = "optimal")
     segments = STRATEGIES[strategy](profile, budget_bytes)
     plan = plan_for(profile, strategy, budget_bytes, segments)
     if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
-        if strategy in BUDGET_DRIVEN:
-            minimum_bytes = BUDGET_DRIVEN[strategy](profile)
-            what = "any plan reaches" if strategy == "optimal" else f"any {strategy} plan reaches"
-        else:
-            minimum_bytes = plan.predicted_peak_bytes
-            what = f"the {strategy} plan reaches (strategy='optimal' may reach less)"
-        raise BudgetError(
-            f"budget {format_bytes(budget_bytes)} is below the smallest peak {what}, "
-            f"{format_bytes(minimum_bytes)}; raise the budget to at least that",
-            minimum_bytes=minimum_bytes,
-        )
+        raise _infeasible(profile, strategy, budget_bytes, plan)
     return plan
+
+
+def _infeasible(profile: Profile, strategy: str, budget_bytes: int, plan: Plan) -> BudgetError:
+    """The error for a budget below what ``strategy`` reaches: the smallest budget it meets,
+    what that plan's peak is made of, what lowers it, and the profile to retry with."""
+    if strategy in BUDGET_DRIVEN:
+        minimum_bytes = BUDGET_DRIVEN[strategy](profile)
+        least = STRATEGIES[strategy](profile, minimum_bytes)
+        what = "any plan reaches" if strategy == "optimal" else f"any {strategy} plan reaches"
+    else:
+        minimum_bytes, least = plan.predicted_peak_bytes, plan.segments
+        what = f"the {strategy} plan reaches (strategy='optimal' may reach less)"
+    return BudgetError(
+        f"budget {format_bytes(budget_bytes)} is below the smallest peak {what}, "
+        f"{format_bytes(minimum_bytes)}; raise the budget to at least that.\n"
+        + explain_infeasible(profile, least, RETRY_WITHOUT_MEASURING),
+        minimum_bytes=minimum_bytes,
+        profile=profile,
+    )
