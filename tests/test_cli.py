@@ -323,7 +323,7 @@ def test_usage_errors_are_one_line_and_exit_2(arguments, expected, capsys):
         (["plan", "no_such_module:build", "--strategy", "sqrt"],
          "cannot import 'no_such_module'"),
         (["plan", "factories:module_only", "--strategy", "sqrt"], "return (model, sample)"),
-        (["plan", "factories:build", "--budget", "1KiB"], "raise the budget to at least"),
+        (["plan", "factories:build", "--budget", "1KiB"], "rerun with --budget"),
         (["plan", "bad.json", "--strategy", "sqrt"], "has no 'model_type'"),
         (["plan", "empty-folder", "--strategy", "sqrt"], "holds no config.json"),
         (["demo", "--quick", "--device", "tpu"], "unknown device 'tpu'"),
