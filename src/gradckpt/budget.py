@@ -2,7 +2,7 @@
 
 A budget is the peak memory of one training step (forward + backward) on the model's device, as
 ``torch.cuda.max_memory_allocated()`` measures it on CUDA and MemTracker on CPU: the number a user
-compares with their GPU (DESIGN.md, "Public API"). ``parse_budget`` accepts:
+compares with their GPU (README.md, "Usage"). ``parse_budget`` accepts:
 
 - an ``int``: bytes;
 - a size with a unit, case-insensitive, with or without a space: binary ``"512MiB"``,
@@ -83,8 +83,8 @@ def parse_budget(
         unconstrained_peak_bytes: the step's peak without checkpointing; needed by percentages.
         device: where the step runs, for ``"auto"``; see ``available_bytes``.
 
-    Raises ``UsageError`` for anything else, for a budget of zero bytes or less, and for a
-    percentage outside (0, 100].
+    Raises ``UsageError`` for anything else, for a negative budget or one of zero bytes, and
+    for a percentage outside (0, 100].
 
     Example:
         >>> parse_budget(2048), parse_budget("2 KiB"), parse_budget("2kb"), parse_budget("2048B")
@@ -167,7 +167,7 @@ def available_bytes(device: torch.device | str | None = None) -> int:
     """What ``"auto"`` means: the largest peak a training step on ``device`` should reach.
 
     The budget is judged on the step's peak as measured, and that peak counts every tensor the
-    process holds, the model's parameters included (DESIGN.md). So:
+    process holds, the model's parameters included (README.md). So:
 
     - CUDA: what this process's tensors hold already (``torch.cuda.memory_allocated``), plus
       90% of what they could still get: the memory free on the device
@@ -242,7 +242,12 @@ def format_bytes(n: int) -> str:
 
 
 def _positive(size: int, *, given: object) -> int:
-    if size <= 0:
+    if size < 0:  # "-1GiB" is no typo of a size: say what a budget is rather than its bytes
+        raise UsageError(
+            f"budget {given!r} is negative; a budget is the step's peak memory, a positive "
+            f"size ({_ACCEPTED_FORMS})"
+        )
+    if size == 0:
         raise UsageError(
             f"budget {given!r} is {size} bytes; a budget must be more than 0 bytes "
             f"({_ACCEPTED_FORMS})"
