@@ -1,19 +1,23 @@
 """The arguments of ``gradckpt``, ``gradckpt demo`` and ``gradckpt plan``.
 
 Each command's parser names the function that runs it (``args.func``); a usage error is one
-line saying what was wrong and where the help is.
+line saying what was wrong and where the help is, and for a misspelt flag, command or choice,
+the close ones ("did you mean --budget?").
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import textwrap
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from gradckpt import __version__
 
 from .demo import run_demo
 from .demo_size import DEFAULT_DEMO, QUICK_DEMO
+from .errors import close_matches, did_you_mean, either
 from .estimate import DTYPES
 from .plan import run_plan
 
@@ -35,11 +39,87 @@ examples:
 """
 
 
+# A token starting with "-" then a digit (or ".digit") is a value, never a flag: no gradckpt flag
+# starts with a digit. argparse's own pattern only covers plain numbers ("-2", "-0.5"), so
+# "--budget -1GiB" was "expected one argument" instead of the budget's own "is negative".
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line: what was wrong and where the help is."""
+    """argparse, but a usage error is one line: what was wrong, the close matches of a misspelt
+    flag, command or choice, and where the help is.
+
+    The hooks are argparse's private ``_negative_number_matcher`` and ``_check_value`` (Python
+    3.14's own ``suggest_on_error`` works in ``_check_value`` too); tests/test_cli_suggestions.py
+    fails if a Python version changes them.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_VALUE
+        self._commands: argparse._SubParsersAction | None = None
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: usage error: {message} (see '{self.prog} --help')\n")
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        """The subcommands, remembered to tell a misspelt flag by the subcommand's flags."""
+        self._commands = super().add_subparsers(**kwargs)
+        return self._commands
+
+    def parse_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """argparse's, but unrecognized arguments are told by the subcommand they were given
+        to, with its flags close to each."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._command_parser(namespace)
+            parser.error(_unrecognized_message(extras, parser._option_string_actions))
+        return namespace
+
+    def _command_parser(self, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the subcommand given, whose flags a misspelt one was meant to be."""
+        command = getattr(namespace, "command", None)
+        if self._commands is None or command not in self._commands.choices:
+            return self
+        return self._commands.choices[command]
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = [str(choice) for choice in action.choices]
+            raise argparse.ArgumentError(
+                action,
+                f"invalid choice: {value!r}{did_you_mean(str(value), choices)} "
+                f"(choose from {', '.join(map(repr, choices))})",
+            )
+
+
+def _unrecognized_message(extras: list[str], option_strings: Iterable[str]) -> str:
+    """argparse's "unrecognized arguments", with the flags close to each misspelt one.
+
+    Example:
+        >>> _unrecognized_message(["--bugdet", "6GiB"], ["--budget", "--batch"])
+        'unrecognized arguments: --bugdet 6GiB; did you mean --budget?'
+        >>> _unrecognized_message(["--bugdet=6GiB", "--sqe", "8"], ["--budget", "--seq"])
+        'unrecognized arguments: --bugdet=6GiB --sqe 8; did you mean --budget for --bugdet, --seq for --sqe?'
+        >>> _unrecognized_message(["extra"], ["--budget"])
+        'unrecognized arguments: extra'
+    """  # noqa: E501
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    flags = [extra.split("=", 1)[0] for extra in extras if _looks_like_a_flag(extra)]
+    if len(flags) == 1:
+        return message + did_you_mean(flags[0], option_strings, quote=False)
+    hints = [
+        f"{either(close, quote=False)} for {flag}"
+        for flag in flags
+        if (close := close_matches(flag, option_strings))
+    ]
+    return f"{message}; did you mean {', '.join(hints)}?" if hints else message
+
+
+def _looks_like_a_flag(token: str) -> bool:
+    return token.startswith("-") and len(token) > 1 and not _NEGATIVE_VALUE.match(token)
 
 
 def _paragraph(text: str) -> str:
