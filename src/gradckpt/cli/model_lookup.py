@@ -11,7 +11,6 @@ own code, which may need real tensors); ``estimate`` runs them on fake tensors a
 from __future__ import annotations
 
 import contextlib
-import difflib
 import importlib
 import inspect
 import json
@@ -20,15 +19,15 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gradckpt.integrations import hf
 
 from .builtin_models import BUILTIN_MODELS, PlanTarget
-from .errors import CommandLineError, one_line
+from .errors import CommandLineError, did_you_mean, one_line
 from .known_configs import KNOWN_CONFIGS
 
-__all__ = ["build_known_model", "check_measurable", "resolve_model"]
+__all__ = ["build_known_model", "check_measurable", "check_model_name", "resolve_model"]
 
 
 _FACTORY_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -59,12 +58,32 @@ def resolve_model(spec: str, batch: int, seq: int, *, on_meta: bool = False) -> 
         return _from_known_config(spec, batch, seq, on_meta)
     if _FACTORY_PATTERN.fullmatch(spec):
         return _from_factory(spec, batch, seq)
+    _refuse_unknown_model(spec)
+
+
+def check_model_name(spec: str) -> None:
+    """Refuse a MODEL that names nothing, with the close names, before any slow work (building
+    or profiling anything); ``resolve_model`` refuses it the same way.
+
+    Example:
+        >>> check_model_name("tinygpt")
+        >>> check_model_name("tinygtp")
+        Traceback (most recent call last):
+        ...
+        gradckpt.cli.errors.CommandLineError: unknown model 'tinygtp'; did you mean 'tinygpt'? ...
+    """
+    named = spec in BUILTIN_MODELS or spec in KNOWN_CONFIGS or _FACTORY_PATTERN.fullmatch(spec)
+    if not (named or Path(spec).exists()):
+        _refuse_unknown_model(spec)
+
+
+def _refuse_unknown_model(spec: str) -> NoReturn:
     if spec.endswith(".json") or os.sep in spec:
         raise FileNotFoundError(f"no such file: {spec}")
-    close = difflib.get_close_matches(spec.lower(), [*BUILTIN_MODELS, *KNOWN_CONFIGS], n=1)
-    if close:  # "llama3-8b", "Mistral-7B": most likely a known config's name, misspelt
+    hint = did_you_mean(spec, [*BUILTIN_MODELS, *KNOWN_CONFIGS])
+    if hint:  # "llama3-8b", "Mistral-7B": most likely a known config's name, misspelt
         raise CommandLineError(
-            f"unknown model {spec!r}; did you mean {close[0]!r}? (see 'gradckpt plan --list': "
+            f"unknown model {spec!r}{hint} (see 'gradckpt plan --list': "
             f"built-ins {', '.join(BUILTIN_MODELS)}; known configs {', '.join(KNOWN_CONFIGS)})"
         )
     raise CommandLineError(
@@ -77,6 +96,8 @@ def resolve_model(spec: str, batch: int, seq: int, *, on_meta: bool = False) -> 
 def _from_config_json(path: Path, batch: int, seq: int, on_meta: bool) -> PlanTarget:
     import torch
 
+    settings = _read_settings(path)
+    _check_model_type(settings, path)
     try:
         with torch.device("meta") if on_meta else contextlib.nullcontext():
             model = hf.model_from_config_json(path)
@@ -88,7 +109,41 @@ def _from_config_json(path: Path, batch: int, seq: int, on_meta: bool) -> PlanTa
     sample = _meta_token_sample(batch, seq) if on_meta else hf.token_sample(model, batch, seq)
     return PlanTarget(
         model, sample, f"{type(model).__name__} from {path}",
-        config_dtype=_config_dtype(json.loads(path.read_text())),
+        config_dtype=_config_dtype(settings),
+    )
+
+
+def _read_settings(path: Path) -> Any:
+    """What a config.json holds; None when it is no JSON (``hf.model_from_config_json`` says
+    where it is wrong)."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _check_model_type(settings: Any, path: Path) -> None:
+    """Refuse a ``model_type`` Transformers does not know, naming the close ones: Transformers'
+    own error lists all of its ~900 model types on one line.
+
+    Example:
+        >>> _check_model_type({"model_type": "lama"}, Path("x/config.json"))
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown model_type 'lama' in x/config.json; did you mean 'llama', ...
+    """
+    try:
+        from transformers import CONFIG_MAPPING, __version__
+    except ImportError:  # hf.model_from_config_json says how to install it
+        return
+    model_type = settings.get("model_type") if isinstance(settings, dict) else None
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING:
+        return  # known, or missing: hf.model_from_config_json says what a config needs
+    known = list(CONFIG_MAPPING.keys())
+    raise ValueError(
+        f"unknown model_type {model_type!r} in {path}{did_you_mean(model_type, known)} "
+        f"(Transformers {__version__} knows {len(known)} model types; see "
+        "transformers.CONFIG_MAPPING)"
     )
 
 
