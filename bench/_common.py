@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts in ``bench/``: timing, memory, machine load, tables.
 
-The rules they implement are DESIGN.md's "Measuring" section:
+The rules they implement (docs/planning.md, "What `profile` measures"):
 
 - Time is quoted as ratios measured side by side in one process, round after round; each round
   gives one ratio per contender. The median over rounds is the result; quartiles, min and max

@@ -1,5 +1,5 @@
 """End to end: ``gradckpt.enable`` picks a plan for a budget, and the step then measured fits it
-with gradients equal to the plain model's (DESIGN.md: "told before it runs, and right")."""
+with gradients equal to the plain model's (the promise: "told before it runs, and right")."""
 
 from __future__ import annotations
 

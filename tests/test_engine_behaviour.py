@@ -1,4 +1,4 @@
-"""Behaviour of the checkpoint engine beyond numerical equality (DESIGN.md engine invariants).
+"""Behaviour of the checkpoint engine beyond numerical equality (docs/engine.md, invariants).
 
 - invariant 3: without grad the engine does nothing (no hooks, no dispatch mode, one call);
 - invariant 6: recomputation stops after the last saving op and runs once per backward;

@@ -4,7 +4,7 @@ Skipped without a CUDA GPU. Invariant 1 on the device (dropout masks drawn by th
 generator are replayed, also for tensors a region creates on a device none of its inputs are
 on); ``offload-matmuls`` copies through a side stream and still gives bit-identical grads, also
 when the user runs the step on a stream of their own; and it lowers the step's peak memory as
-``torch.cuda.max_memory_allocated`` measures it (DESIGN.md "Measuring").
+``torch.cuda.max_memory_allocated`` measures it (docs/planning.md, "What `profile` measures").
 """
 
 from __future__ import annotations

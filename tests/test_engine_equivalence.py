@@ -1,4 +1,4 @@
-"""Checkpointed and plain models compute bit-identical results (DESIGN.md engine invariants).
+"""Checkpointed and plain models compute bit-identical results (docs/engine.md, invariants).
 
 Every case runs the same model three ways and compares with ``torch.equal``:
 

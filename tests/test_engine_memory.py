@@ -1,6 +1,6 @@
 """Exact memory accounting of checkpointed regions, measured with the memory meter on the CPU.
 
-DESIGN.md "Measuring": memory is measured by the reference measure (on the CPU
+docs/planning.md, "What `profile` measures": memory is measured by the reference measure (on the CPU
 ``torch.distributed._tools.mem_tracker.MemTracker``, its "Total", read by ``MemoryMeter``), never
 guessed. MemTracker sees every storage created inside its context and those registered with it;
 here the parameters are registered and every activation is created inside, so each number below

@@ -117,7 +117,7 @@ def flat(segments: list[Segment]) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_predicted_peak_matches_the_measured_one(layout: list[Segment]) -> None:
-    """DESIGN.md's promise: told before it runs, and right. Memory is deterministic on CPU, and
+    """The promise: told before it runs, and right. Memory is deterministic on CPU, and
     the model accounts for every phase of the step, so the prediction is within a few hundred
     bytes of MemTracker's peak (0.01%); 0.5% leaves room for allocator differences."""
     model, sample = tiny_gpt(), gpt_sample()

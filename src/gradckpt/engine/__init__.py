@@ -7,7 +7,7 @@ small "slot" per saved tensor; when backward asks for one, we run ``fn`` again o
 ``ambient.py``) and hand out the tensors this recomputation saves. A policy
 can mark operations whose outputs are kept, or offloaded to CPU memory, instead of recomputed.
 
-Invariants (DESIGN.md, "Engine invariants"; tests cite them by number):
+Invariants (docs/engine.md, "Guarantees"; tests cite them by number):
 
 1. Gradients, outputs and parameter updates equal the plain model's, bit for bit where the ops
    are deterministic, dropout included: RNG state is replayed for the CPU and every device, and

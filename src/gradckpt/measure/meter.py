@@ -1,7 +1,7 @@
 """The memory meter: bytes allocated on one device, now and at their highest.
 
 Memory is measured, never guessed, with the two reference measures a budget is defined by
-(DESIGN.md, "Measuring"):
+(docs/planning.md, "What `profile` measures"):
 
 - on CUDA, the caching allocator's own statistics (``torch.cuda.memory_allocated``,
   ``max_memory_allocated``);

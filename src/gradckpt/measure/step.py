@@ -1,7 +1,7 @@
 """The user's training step: how the model is called on a sample, what its loss is, and what
 stays alive until backward ends.
 
-A budget is for the step users write (DESIGN.md, "Public API")::
+A budget is for the step users write (docs/planning.md, "What `profile` measures")::
 
     out = model(**batch)          # or model(batch), model(*batch)
     loss = out.loss               # or loss_fn(out)
@@ -28,7 +28,7 @@ __all__ = ["run_model", "loss_of", "training_step"]
 
 
 def run_model(model: nn.Module, sample: Any) -> Any:
-    """Call the model on a sample the way DESIGN.md says: tensor, tuple (positional) or dict.
+    """Call the model on a sample the way the README says: tensor, tuple (positional) or dict.
 
     Example:
         >>> run_model(torch.nn.Linear(2, 1), torch.ones(3, 2)).shape
