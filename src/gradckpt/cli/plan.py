@@ -19,7 +19,7 @@ from .estimate import run_estimate, target_device
 from .frontier import plot_plan
 from .known_configs import KNOWN_CONFIGS, known_config_rows
 from .memory_parts import memory_parts
-from .model_lookup import check_measurable, resolve_model
+from .model_lookup import check_measurable, check_model_name, resolve_model
 from .profiling import profile_with_bar
 from .progress import stage
 
@@ -147,6 +147,7 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError(
             "MODEL is missing (see 'gradckpt plan --list' for built-ins and known configs)"
         )
+    check_model_name(args.model)  # a misspelt name is told before the other arguments
     if args.world_size != 1 and not args.estimate:
         raise CommandLineError(
             f"--world-size {args.world_size} is for --estimate: a measured plan profiles one "
