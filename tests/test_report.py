@@ -8,6 +8,7 @@ import pytest
 
 from gradckpt.plan import Plan, Segment
 from gradckpt.report import (
+    MemoryParts,
     PlotsUnavailable,
     StrategyPoint,
     format_table,
@@ -43,11 +44,12 @@ def test_str_of_a_plan_is_the_report_table():
     assert lines[-1].startswith("strategy optimal within 4.00 KiB: predicted peak 2.93 KiB")
 
 
-def test_memory_breakdown_sorts_parts_and_adds_shares():
-    lines = memory_breakdown_table([("small", 1024), ("large", 3072)]).splitlines()
+def test_memory_breakdown_sorts_parts_and_shares_them_of_the_predicted_peak():
+    parts = MemoryParts([("small", 1024), ("large", 3072)], predicted_peak_bytes=4096)
+    lines = memory_breakdown_table(parts).splitlines()
     assert lines[1].split() == ["large", "3.00", "KiB", "75%"]
     assert lines[2].split() == ["small", "1.00", "KiB", "25%"]
-    assert lines[3].endswith("4.00 KiB   100%")
+    assert lines[3].endswith("they add up to the predicted peak, 4.00 KiB.")
 
 
 def test_plots_are_png_files(tmp_path):

@@ -122,14 +122,13 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(plan)
     print()
     print(breakdown_table({labels[name]: size for name, size in parts.items()},
-                          spec.memory_bytes))
+                          plan.predicted_peak_bytes, spec.memory_bytes))
     print(f"largest part: {labels[largest]}, {format_bytes(parts[largest])}")
     print(fit_line(profile, plan, spec))
     print(
-        "The parts are sizes, not one instant: activations are freed as gradients are made, so "
-        "they need not add up to the peak.\nPredicted on fake tensors for "
-        f"{_device_name(spec)}; times are rooflines (the fastest it could run each operation): "
-        "read the extra time as a share of the step, not as seconds."
+        f"Predicted on fake tensors for {_device_name(spec)}; times are rooflines (the fastest "
+        "it could run each operation): read the extra time as a share of the step, not as "
+        "seconds."
     )
     if world_size > 1:
         print(
@@ -195,24 +194,25 @@ def part_label(name: str, world_size: int) -> str:
     return f"{name[:-1]}, {share})" if name.endswith(")") else f"{name} ({share})"
 
 
-def breakdown_table(parts: dict[str, int], device_bytes: int) -> str:
-    """What takes the memory, largest first, each part's size and share of the device.
+def breakdown_table(parts: dict[str, int], predicted_peak_bytes: int, device_bytes: int) -> str:
+    """What takes the memory, largest first: each part's size and share of the predicted peak
+    and of the device (``report.memory_breakdown_table``, as a measured plan's table says it).
 
     Example:
-        >>> print(breakdown_table({"parameters": 2**30, "gradients": 2**29}, 4 * 2**30))
-        what takes the memory (parts, not one instant)        size  of the device
-        parameters                                        1.00 GiB            25%
-        gradients                                       512.00 MiB            12%
-    """
-    from gradckpt.budget import format_bytes
-    from gradckpt.tables import format_table
+        >>> print(breakdown_table({"parameters": 2**30, "gradients": 2**29}, 3 * 2**30,
+        ...                       4 * 2**30))  # doctest: +NORMALIZE_WHITESPACE
+        what takes the memory (sizes; not all alive at one instant)        size  of the predicted peak  of the device
+        parameters                                                     1.00 GiB                    33%            25%
+        gradients                                                    512.00 MiB                    17%            12%
+        The parts are sizes, not one instant: they add up to 1.50 GiB, less than the predicted peak
+        of 3.00 GiB; the rest is what the step holds briefly (temporaries, recomputed activations).
+    """  # noqa: E501  (a table's lines are longer than code's)
+    from gradckpt.measure.estimate import CUDA_RESERVE
+    from gradckpt.report import MemoryParts, memory_breakdown_table
 
-    rows = [
-        [name, format_bytes(size), f"{size / device_bytes:.0%}"]
-        for name, size in sorted(parts.items(), key=lambda part: -part[1])
-    ]
-    return format_table(["what takes the memory (parts, not one instant)", "size",
-                         "of the device"], rows)
+    memory = MemoryParts(list(parts.items()), predicted_peak_bytes,
+                         outside_peak=frozenset({CUDA_RESERVE}))
+    return memory_breakdown_table(memory, device_bytes)
 
 
 def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:

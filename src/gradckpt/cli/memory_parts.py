@@ -1,5 +1,5 @@
-"""What takes a training step's memory at a plan's predicted peak, part by part (the table
-``gradckpt plan`` prints under the plan)."""
+"""What takes a training step's memory under a plan, part by part, read against the plan's
+predicted peak (the table ``gradckpt plan`` prints under the plan)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
     from gradckpt.plan import Plan
     from gradckpt.profile_types import Profile
+    from gradckpt.report import MemoryParts
 
 __all__ = ["memory_parts", "retained_activation_bytes"]
 
@@ -17,18 +18,24 @@ __all__ = ["memory_parts", "retained_activation_bytes"]
 def memory_parts(
     model: nn.Module, profile: Profile, plan: Plan, optimizer_bytes: int,
     optimizer_name: str = "Adam",
-) -> list[tuple[str, int]]:
-    """What takes the step's memory at the predicted peak, part by part.
+) -> MemoryParts:
+    """What takes the step's memory under the plan, part by part, with the plan's predicted
+    peak. The parts are sizes, not one instant: they may add up to more than the peak.
 
     Example:
         >>> import torch, gradckpt
         >>> from gradckpt.models import mlp_chain
         >>> model = mlp_chain(4, 8)
         >>> profile = gradckpt.profile(model, torch.randn(16, 8), repeats=1)
-        >>> parts = memory_parts(model, profile, gradckpt.solve(profile, None, "sqrt"), 0)
-        >>> [name for name, _ in parts][:3]
+        >>> plan = gradckpt.solve(profile, None, "sqrt")
+        >>> parts = memory_parts(model, profile, plan, 0)
+        >>> [name for name, _ in parts.parts][:3]
         ['parameters', 'gradients', 'activations kept for backward (under this plan)']
+        >>> parts.predicted_peak_bytes == plan.predicted_peak_bytes
+        True
     """
+    from gradckpt.report import MemoryParts
+
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gradient_bytes = sum(
         p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
@@ -49,7 +56,7 @@ def memory_parts(
     rest -= head_bytes + optimizer_bytes
     if rest > 0:
         parts.append(("the rest (inputs, temporaries, recomputation)", rest))
-    return parts
+    return MemoryParts(parts, plan.predicted_peak_bytes)
 
 
 def retained_activation_bytes(profile: Profile, plan: Plan) -> int:
