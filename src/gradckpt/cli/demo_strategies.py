@@ -53,9 +53,11 @@ def compare_strategies(
         ['none', 'every-layer', 'sqrt']
         >>> table = strategies_table(runs, len(profile.blocks), size.steps).splitlines()
         >>> table[0]  # doctest: +ELLIPSIS
-        'strategy ... predicted peak  measured peak  step time  training (2 steps)'
+        'strategy ... predicted peak  measured peak  predicted time  step time  training (2 steps)'
+        >>> table[1]  # doctest: +ELLIPSIS
+        'none ... nothing recomputed ...1.00x ...1.00x  (reference)'
         >>> table[2]  # doctest: +ELLIPSIS
-        'every-layer ... 2/2 blocks recomputed, 2 segments ... identical'
+        'every-layer ... 2/2 blocks recomputed, 2 segments ...x  ...x  identical'
     """
     import torch
 
@@ -86,8 +88,9 @@ def compare_strategies(
 
 
 def strategies_table(runs: list[PlanRun], block_count: int, steps: int) -> str:
-    """The runs as the demo prints them, step times against the first run's (see
-    ``compare_strategies`` for an example)."""
+    """The runs as the demo prints them: each plan's predicted peak and step time beside the
+    measured ones, step times as ratios (predicted: to the profiled step; measured: to the
+    first run's). See ``compare_strategies`` for an example."""
     from gradckpt.report import format_table
 
     reference = runs[0]
@@ -99,15 +102,16 @@ def strategies_table(runs: list[PlanRun], block_count: int, steps: int) -> str:
             _describe_plan(run.plan, block_count),
             _mebibytes(run.plan.predicted_peak_bytes),
             _mebibytes(run.peak_bytes),
-            f"{run.median_seconds / reference.median_seconds:.2f}x",
+            _times(1 + run.plan.predicted_overhead),
+            _times(run.median_seconds / reference.median_seconds),
             "(reference)" if run is reference
             else "identical" if identical_to(run, reference) else "DIFFERENT",
         ])
     header = [
-        "strategy", "budget", "plan", "predicted peak", "measured peak", "step time",
-        f"training ({steps} steps)",
+        "strategy", "budget", "plan", "predicted peak", "measured peak", "predicted time",
+        "step time", f"training ({steps} steps)",
     ]
-    return format_table(header, rows, align="lllrrrl")
+    return format_table(header, rows, align="lllrrrrl")
 
 
 def _describe_plan(plan: Plan, block_count: int) -> str:
@@ -125,3 +129,8 @@ def _describe_plan(plan: Plan, block_count: int) -> str:
 
 def _mebibytes(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:.1f} MiB"
+
+
+def _times(ratio: float) -> str:
+    """A step-time ratio as the table shows it: ``1.12x``."""
+    return f"{ratio:.2f}x"
