@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from .demo_size import demo_size_from
 from .demo_strategies import compare_strategies, strategies_table
 from .devices import resolve_device
-from .frontier import optimal_frontier
+from .frontier import optimal_frontier, plan_point
 from .plan_measurements import PlanRun, identical_to
-from .sqrt_table import SQRT_TABLE_STRATEGIES, DepthRow, sqrt_rows, sqrt_table, sqrt_verdict
+from .sqrt_table import DepthRow, depth_series, sqrt_rows, sqrt_table, sqrt_verdict
 
 if TYPE_CHECKING:
     from gradckpt.profile_types import Profile
@@ -71,43 +71,43 @@ def run_demo(args: argparse.Namespace) -> int:
 def _write_demo_plots(
     out: Path, runs: list[PlanRun], profile: Profile, rows: list[DepthRow]
 ) -> None:
-    from gradckpt.report import (
-        PlotsUnavailable,
-        StrategyPoint,
-        plot_frontier,
-        plot_memory_vs_depth,
-    )
+    from gradckpt.report import PlotsUnavailable, plot_frontier, plot_memory_vs_depth
 
     reference_seconds = runs[0].median_seconds
     points = [
-        StrategyPoint(
-            run.label if run.budget == "-" else f"optimal {run.budget.split(',')[0]}",
-            run.peak_bytes,
-            run.median_seconds / reference_seconds,
-        )
+        plan_point(_plot_label(run), run.plan, run.peak_bytes,
+                   run.median_seconds / reference_seconds)
         for run in runs
     ]
-    depths = [row.depth for row in rows]
+    series = depth_series(rows)
     try:
         written = [
             plot_frontier(
                 points,
                 out / "frontier.png",
                 frontier=optimal_frontier(profile),
-                title="TinyGPT: measured peak and step time of each plan",
+                title="TinyGPT: peak memory and step time of each plan, predicted and measured",
             ),
             plot_memory_vs_depth(
-                depths,
-                {name: [row.memory[name] for row in rows] for name in SQRT_TABLE_STRATEGIES},
+                series.depths,
+                series.memory,
                 out / "memory_vs_depth.png",
-                measured_by_strategy={
-                    name: [(row.depth, row.measured[name]) for row in rows if row.measured]
-                    for name in SQRT_TABLE_STRATEGIES[1:]
-                },
-                title="Activation memory of n identical blocks",
+                measured_by_strategy=series.measured,
+                title="n identical blocks: activation memory, and the recomputation it costs",
+                extra_forwards_by_strategy=series.extra_forwards,
             ),
         ]
     except PlotsUnavailable as error:
         print(f"\nplots skipped: {error}")
         return
     print(f"\nplots: {', '.join(str(path) for path in written)}")
+
+
+def _plot_label(run: PlanRun) -> str:
+    """A run's name on the plot: the strategy, and for optimal its budget ("optimal 75%").
+
+    Example:
+        >>> _plot_label(PlanRun("optimal", "least, 48.70 MiB", plan=None))
+        'optimal least'
+    """
+    return run.label if run.budget == "-" else f"{run.label} {run.budget.split(',')[0]}"

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from gradckpt.profile_types import BlockProfile, Profile
 
 __all__ = [
-    "SQRT_TABLE_STRATEGIES", "DepthRow", "homogeneous_chain", "sqrt_plans", "sqrt_rows",
-    "sqrt_table", "sqrt_verdict",
+    "SQRT_TABLE_STRATEGIES", "DepthRow", "DepthSeries", "depth_series", "homogeneous_chain",
+    "sqrt_plans", "sqrt_rows", "sqrt_table", "sqrt_verdict",
 ]
 
 
@@ -187,6 +187,42 @@ def sqrt_table(rows: list[DepthRow]) -> str:
         table_rows.append(cells)
     header = ["n", *SQRT_TABLE_STRATEGIES, "measured: every-layer / sqrt / optimal"]
     return format_table(header, table_rows, align="rrrrrr")
+
+
+@dataclass
+class DepthSeries:
+    """The sqrt(n) rows as the depth plot draws them: per strategy, one value per depth."""
+
+    depths: list[int]
+    memory: dict[str, list[float]]  # strategy -> activation memory, in blocks' worth
+    extra_forwards: dict[str, list[float]]  # strategy -> extra forward passes of the chain
+    measured: dict[str, list[tuple[int, float]]]  # strategy -> (depth, measured memory)
+
+
+def depth_series(rows: list[DepthRow]) -> DepthSeries:
+    """The numbers ``sqrt_table`` prints, per strategy, for the plot of memory and extra
+    forward passes against depth.
+
+    Example:
+        >>> rows = [DepthRow(4, {"none": 4.0, "every-layer": 1.0, "sqrt": 2.0, "optimal": 2.0},
+        ...                  {"none": 0.0, "every-layer": 1.0, "sqrt": 0.5, "optimal": 0.5},
+        ...                  {"sqrt": 2.1})]
+        >>> series = depth_series(rows)
+        >>> series.extra_forwards["sqrt"], series.measured["sqrt"], series.measured["optimal"]
+        ([0.5], [(4, 2.1)], [])
+    """
+    measured_names = SQRT_TABLE_STRATEGIES[1:]  # none's measured memory is its computed one
+    return DepthSeries(
+        depths=[row.depth for row in rows],
+        memory={name: [row.memory[name] for row in rows] for name in SQRT_TABLE_STRATEGIES},
+        extra_forwards={
+            name: [row.extra_forwards[name] for row in rows] for name in SQRT_TABLE_STRATEGIES
+        },
+        measured={
+            name: [(row.depth, row.measured[name]) for row in rows if name in row.measured]
+            for name in measured_names
+        },
+    )
 
 
 def sqrt_verdict(rows: list[DepthRow]) -> str:
