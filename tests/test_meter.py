@@ -1,6 +1,7 @@
 """The memory meter (``gradckpt.measure``): MemTracker's numbers, frozen parameters included.
 
-docs/planning.md, "What `profile` measures": on the CPU a budget is judged by MemTracker's "Total". torch 2.13's
+docs/planning.md, "What `profile` measures": on the CPU a budget is judged by MemTracker's
+"Total". torch 2.13's
 MemTracker raises on a model with frozen parameters (it hooks every parameter's gradient); the
 meter works around that without changing what is counted: where MemTracker works, the two
 agree to the byte. Frozen bases (hand-written LoRA, PEFT, a bf16 base with fp32 adapters, a

@@ -1,6 +1,7 @@
 """The step a budget is for: the one users write, the model's output alive through backward.
 
-docs/planning.md, "What `profile` measures": ``out = model(**batch); loss = out.loss; loss.backward()`` keeps the
+docs/planning.md, "What `profile` measures":
+``out = model(**batch); loss = out.loss; loss.backward()`` keeps the
 output (for a language model, the logits) alive until backward ends. Plans used to be made for
 a step that dropped it, and went over budget by one logits tensor (issue 13, item 2). Now
 ``profile``/``enable`` plan for the step that keeps it, and ``keep_output=False`` for loops that

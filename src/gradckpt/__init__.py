@@ -1,7 +1,8 @@
 """gradckpt: gradient checkpointing for PyTorch that fits a memory budget.
 
 The engine (``checkpoint``, ``checkpoint_module``) decides, for each tensor a region would save
-for backward, whether to keep it, recompute it or offload it. See README.md and docs/ for the pipeline.
+for backward, whether to keep it, recompute it or offload it. See README.md and docs/ for the
+pipeline.
 """
 
 from . import integrations  # noqa: F401  (registers the built-in adapters)
