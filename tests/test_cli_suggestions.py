@@ -13,6 +13,7 @@ from gradckpt.budget import parse_budget
 from gradckpt.cli import build_parser, main
 from gradckpt.cli.errors import CommandLineError, did_you_mean
 from gradckpt.cli.model_lookup import check_model_name
+from gradckpt.errors import close_matches
 
 
 def run(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
@@ -168,3 +169,16 @@ def test_did_you_mean_names_only_the_close_ones():
     )
     assert did_you_mean("Mistral-7B", ["mistral-7b"]) == "; did you mean 'mistral-7b'?"
     assert did_you_mean("xyzzy", ["demo", "plan"]) == ""
+
+
+def test_the_command_line_shares_the_core_helper():
+    """One helper (``gradckpt.errors``) for the command line, devices and block names."""
+    assert did_you_mean is gradckpt.errors.did_you_mean
+
+
+def test_close_matches_name_what_aliases_stand_for_each_once():
+    aliases = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "a100": "a100-80gb"}
+    assert close_matches("h10", aliases, aliases=aliases) == ["h100-80gb"]
+    assert close_matches("h100-sx", aliases, aliases=aliases) == ["h100-80gb"]
+    assert close_matches("h10", aliases) == ["h100"]
+    assert close_matches("xyzzy", aliases, aliases=aliases) == []

@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import math
 import numbers
 import re
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from .presets import ALIASES, DEVICES
 from .spec import GIB, GIGA, TERA, DeviceSpec
 from .this_machine import THIS, _this_device
@@ -134,13 +133,9 @@ def _normalize(name: str) -> str:
 def _unknown_device_message(given: str, key: str) -> str:
     known = sorted(DEVICES)
     # Match against aliases too ("h10" is nearest "h100"), then name the preset they mean.
-    candidates = [*known, *ALIASES, THIS]
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    hint = ""
-    if close:
-        hint = f"did you mean {ALIASES.get(close[0], close[0])!r}? "
+    hint = did_you_mean(key, [*known, *ALIASES, THIS], aliases=ALIASES) or ";"
     return (
-        f"unknown device {given!r}; {hint}known devices: {', '.join(known)}, and 'this' (this "
+        f"unknown device {given!r}{hint} known devices: {', '.join(known)}, and 'this' (this "
         f"machine, measured); aliases: {', '.join(sorted(ALIASES))}; or pass a dict of numbers "
         f"({', '.join(_REQUIRED_KEYS)}) for another device"
     )

@@ -44,7 +44,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Iterable
 from typing import Any
@@ -53,7 +52,7 @@ import torch
 from torch import nn
 
 from ..adapters import adapted
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from .model_state import buffers_and_rng_preserved
 from .step import run_model
 
@@ -298,14 +297,11 @@ def _module_by_name(model: nn.Module, name: str, *, what: str) -> nn.Module:
     except AttributeError:
         pass
     all_names = [module_name for module_name, _ in model.named_modules() if module_name]
-    close = difflib.get_close_matches(name, all_names, n=3, cutoff=0.6)
-    hint = (
-        f"did you mean {', '.join(repr(match) for match in close)}?"
-        if close
-        else f"its top-level modules are {', '.join(repr(n) for n, _ in model.named_children())}"
+    hint = did_you_mean(name, all_names) or (
+        f"; its top-level modules are {', '.join(repr(n) for n, _ in model.named_children())}"
     )
     raise UsageError(
-        f"{what} is not a submodule of {type(model).__name__}; {hint} "
+        f"{what} is not a submodule of {type(model).__name__}{hint} "
         f"(names as in model.named_modules())"
     )
 
