@@ -14,6 +14,7 @@ from gradckpt.cli import build_parser, main
 from gradckpt.cli.errors import CommandLineError, did_you_mean
 from gradckpt.cli.model_lookup import check_model_name
 from gradckpt.errors import close_matches
+from gradckpt.integrations import hf
 
 
 def run(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
@@ -157,6 +158,24 @@ def test_an_unknown_model_type_names_the_close_ones_not_all(tmp_path, model_type
         "transformers.CONFIG_MAPPING)" in lines[0]
     )
     assert len(lines[0]) < 400  # close matches only, never the whole list
+
+
+def test_an_unknown_model_type_is_refused_from_python_too(tmp_path):
+    """``hf.model_from_config_json`` itself names the close ones, not Transformers' whole list;
+    the command line only tells its error."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "lama", "vocab_size": 64}))
+    with pytest.raises(ValueError) as raised:
+        hf.model_from_config_json(path)
+    message = str(raised.value)
+    known = len(list(transformers.CONFIG_MAPPING.keys()))
+    assert message.startswith(f"unknown model_type 'lama' in {path}; did you mean 'llama'")
+    assert message.endswith(
+        f"? (Transformers {transformers.__version__} knows {known} model types; see "
+        "transformers.CONFIG_MAPPING)"
+    )
+    assert len(message) < 400  # close matches only, never the whole list
 
 
 # The shared helper

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..adapters import Occasion, register_adapter
-from ..errors import warn_once
+from ..errors import did_you_mean, warn_once
 
 if TYPE_CHECKING:
     from .hf_trainer import GradckptCallback  # noqa: F401  (loaded on first use: __getattr__)
@@ -311,7 +311,9 @@ def model_from_config_json(path: str | Path) -> Any:
     """The language model a Hugging Face ``config.json`` describes, with random weights.
 
     Nothing is downloaded. Encoder-decoder configs (T5, BART) give the sequence-to-sequence
-    model, the others the causal one; the key/value cache is off, as for training.
+    model, the others the causal one; the key/value cache is off, as for training. A
+    ``model_type`` Transformers does not know is refused naming the close ones (Transformers' own
+    error lists all of its ~900 model types on one line).
 
     Example:
         >>> import json, pathlib, tempfile
@@ -322,6 +324,11 @@ def model_from_config_json(path: str | Path) -> Any:
         >>> model = model_from_config_json(path)
         >>> type(model).__name__, model.config.use_cache
         ('GPT2LMHeadModel', False)
+        >>> _ = path.write_text(json.dumps({"model_type": "lama"}))
+        >>> model_from_config_json(path)
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown model_type 'lama' in ...config.json; did you mean 'llama', ...
     """
     try:
         import transformers
@@ -336,6 +343,7 @@ def model_from_config_json(path: str | Path) -> Any:
         raise ValueError(f"{path} is not valid JSON ({error})") from None
     if not isinstance(settings, dict) or "model_type" not in settings:
         raise ValueError(f"{path} has no 'model_type': not a Hugging Face model config.json")
+    _check_model_type(settings["model_type"], path)
     config = transformers.AutoConfig.for_model(**settings)
     config.use_cache = False  # training: the key/value cache only costs memory
     # Encoder-decoder configs (T5, BART) train as sequence-to-sequence models, the rest as
@@ -350,6 +358,21 @@ def model_from_config_json(path: str | Path) -> Any:
             f"{path}: Transformers has no {kind} model for model_type "
             f"{settings['model_type']!r}"
         ) from None
+
+
+def _check_model_type(model_type: Any, path: Path) -> None:
+    """Refuse a ``model_type`` Transformers does not know, naming the close ones and where to
+    see them all."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING:
+        return  # known, or not a name: Transformers says what is wrong with it
+    known = list(CONFIG_MAPPING.keys())  # the lazy mapping has no len()
+    raise ValueError(
+        f"unknown model_type {model_type!r} in {path}{did_you_mean(model_type, known)} "
+        f"(Transformers {__version__} knows {len(known)} model types; see "
+        "transformers.CONFIG_MAPPING)"
+    )
 
 
 def is_language_model(model: Any) -> bool:
