@@ -1,50 +1,26 @@
-"""Tables and plots: how the command line shows a plan and what it measured.
-
-So that ``str(plan)``, ``gradckpt plan`` and ``gradckpt demo`` say things the same way, the
-tables the core needs live below this module and are re-exported here:
-
-- ``format_table`` (``gradckpt.tables``): rows of text cells in aligned columns;
-- ``plan_table``, ``plan_summary`` (``gradckpt.plan``): one row per block saying what happens
-  to its activations, then the plan's predictions (this is ``str(plan)``);
-- ``memory_breakdown_table``: what takes the memory of a step (parameters, gradients, ...),
-  read against the predicted peak;
-- ``plot_frontier``, ``plot_memory_vs_depth``: PNG plots. They need matplotlib (the ``plot``
-  extra, ``pip install 'gradckpt[plot]'``); without it they raise ``PlotsUnavailable``, which
-  says so. ``draw_frontier`` and ``draw_memory_vs_depth`` return what they would write (the
-  figure, and for the frontier the line and the label boxes), so the data drawn can be checked.
-
-Example:
-    >>> print(format_table(["strategy", "peak"], [["none", "275.1 MiB"], ["sqrt", "90.2 MiB"]]))
-    strategy       peak
-    none      275.1 MiB
-    sqrt       90.2 MiB
+"""The PNG plots of ``gradckpt demo`` and ``gradckpt plan --plot``: each plan on the
+memory/time plane against the optimal frontier (``draw_frontier``), and activation memory and
+extra forward passes against depth (``draw_memory_vs_depth``). Each ``draw_*`` returns what the
+matching ``plot_*`` writes, so tests check the data drawn rather than pixels. They need
+matplotlib (the ``plot`` extra); without it they raise ``PlotsUnavailable``.
 """
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .budget import format_bytes
-from .errors import GradckptError
-from .plan import plan_summary, plan_table
-from .tables import format_table
+from ..errors import GradckptError
+from .labels import LabelPlacement, place_labels
 
 __all__ = [
     "FrontierDrawing",
-    "LabelPlacement",
-    "MemoryParts",
     "PlotsUnavailable",
     "StrategyPoint",
     "draw_frontier",
     "draw_memory_vs_depth",
-    "format_table",
     "frontier_staircase",
-    "plan_table",
-    "plan_summary",
-    "memory_breakdown_table",
     "plot_frontier",
     "plot_memory_vs_depth",
 ]
@@ -65,97 +41,6 @@ class StrategyPoint(NamedTuple):
     measured_time_ratio: float | None = None
 
 
-# --------------------------------------------------------------------------------------------
-# Tables
-# --------------------------------------------------------------------------------------------
-
-
-class MemoryParts(NamedTuple):
-    """What takes a step's memory, part by part, and the predicted peak they are read against.
-
-    ``parts``: (name, bytes) pairs. They are sizes, not one instant: what the forward pass keeps
-    is freed as the backward pass makes the gradients, so they need not add up to the peak.
-    ``outside_peak``: names of parts the peak does not count (an estimate's CUDA reserve).
-    """
-
-    parts: Sequence[tuple[str, int]]
-    predicted_peak_bytes: int
-    outside_peak: frozenset[str] = frozenset()
-
-
-MEMORY_TABLE_TITLE = "what takes the memory (sizes; not all alive at one instant)"
-
-
-def memory_breakdown_table(memory: MemoryParts, device_bytes: int | None = None) -> str:
-    """What takes the memory, largest first: each part's size and share of the predicted peak
-    (and of the device, given ``device_bytes``), then how the parts relate to the peak.
-
-    Example:
-        >>> parts = [("parameters", 6 * 2**20), ("logits", 20 * 2**20), ("gradients", 6 * 2**20)]
-        >>> print(memory_breakdown_table(MemoryParts(parts, 26 * 2**20)))
-        what takes the memory (sizes; not all alive at one instant)       size  of the predicted peak
-        logits                                                       20.00 MiB                    77%
-        parameters                                                    6.00 MiB                    23%
-        gradients                                                     6.00 MiB                    23%
-        The parts are sizes, not one instant: they add up to 32.00 MiB, more than the predicted peak
-        of 26.00 MiB, since they live at different moments (what the forward pass keeps, activations
-        and logits, is freed as the backward pass makes the gradients).
-    """  # noqa: E501  (a table's lines are longer than code's)
-    header = [MEMORY_TABLE_TITLE, "size", "of the predicted peak"]
-    if device_bytes:
-        header.append("of the device")
-    rows = []
-    for name, size in sorted(memory.parts, key=lambda part: -part[1]):
-        of_peak = ("outside" if name in memory.outside_peak
-                   else _share(size, memory.predicted_peak_bytes))
-        row = [name, format_bytes(size), of_peak]
-        if device_bytes:
-            row.append(_share(size, device_bytes))
-        rows.append(row)
-    return f"{format_table(header, rows)}\n{parts_against_peak(memory)}"
-
-
-def parts_against_peak(memory: MemoryParts) -> str:
-    """How the parts add up against the predicted peak, and why they need not equal it.
-
-    Example:
-        >>> print(parts_against_peak(MemoryParts([("a", 3 * 2**20), ("b", 2**20)], 4 * 2**20)))
-        The parts are sizes, not one instant: they add up to the predicted peak, 4.00 MiB.
-    """
-    inside = sum(size for name, size in memory.parts if name not in memory.outside_peak)
-    outside = any(name in memory.outside_peak for name, _ in memory.parts)
-    parts = "those inside the peak" if outside else "they"
-    peak = format_bytes(memory.predicted_peak_bytes)
-    if inside == memory.predicted_peak_bytes:
-        relation = f"{parts} add up to the predicted peak, {peak}."
-    elif inside > memory.predicted_peak_bytes:
-        relation = (
-            f"{parts} add up to {format_bytes(inside)}, more than the predicted peak of {peak}, "
-            "since they live at different moments (what the forward pass keeps, activations and "
-            "logits, is freed as the backward pass makes the gradients)."
-        )
-    else:
-        relation = (
-            f"{parts} add up to {format_bytes(inside)}, less than the predicted peak of {peak}; "
-            "the rest is what the step holds briefly (temporaries, recomputed activations)."
-        )
-    sentence = f"The parts are sizes, not one instant: {relation}"
-    return textwrap.fill(sentence, width=92)
-
-
-def _share(part_bytes: int, whole_bytes: int) -> str:
-    """``part_bytes`` as a percentage of ``whole_bytes``; "<1%" rather than a misleading 0%."""
-    if not whole_bytes:
-        return "-"
-    share = part_bytes / whole_bytes
-    return "<1%" if 0 < share < 0.005 else f"{share:.0%}"
-
-
-# --------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------
-
-
 def _figure(**kwargs: Any) -> Any:
     """A matplotlib figure drawn by Agg (files only: no display, no pyplot registry to leak
     figures into), or ``PlotsUnavailable`` saying how to get matplotlib."""
@@ -170,16 +55,6 @@ def _figure(**kwargs: Any) -> Any:
     drawing = figure.Figure(**kwargs)
     backend_agg.FigureCanvasAgg(drawing)  # the canvas measures text (label placement), writes
     return drawing
-
-
-class LabelPlacement(NamedTuple):
-    """Where a plot put a point's label: the point (data coordinates), the text's offset from
-    it (points) and the text's extent (display pixels: x0, y0, x1, y1)."""
-
-    text: str
-    anchor: tuple[float, float]
-    offset: tuple[float, float]
-    box: tuple[float, float, float, float]
 
 
 class FrontierDrawing(NamedTuple):
@@ -251,7 +126,7 @@ def draw_frontier(
     _frontier_legend(axes, points, legend_lines)
     figure.tight_layout()
     figure.canvas.draw()  # fixes the layout and the legend: the labels are placed against them
-    labels = _place_labels(axes, anchors, markers, paths)
+    labels = place_labels(axes, anchors, markers, paths)
     return FrontierDrawing(figure, line, list(points), labels)
 
 
@@ -325,86 +200,6 @@ def _frontier_legend(axes: Any, points: Sequence[StrategyPoint], handles: list[A
         handles.append(axes.plot([], [], markersize=7, label="the same plan, measured",
                                  **grey)[0])
     axes.legend(handles=handles, loc="upper right", fontsize=8)
-
-
-# Where a label may sit around its point, as directions, nearest rings first: beside it, then
-# above or below, then diagonally; farther rings get a leader line back to the point.
-_LABEL_DIRECTIONS = ((1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (1, -1), (-1, 1), (-1, -1))
-_LABEL_DISTANCES = (8, 18, 30, 44)  # points: the first clears a marker
-
-
-def _place_labels(
-    axes: Any,
-    anchors: Sequence[tuple[str, tuple[float, float], str]],
-    markers: Sequence[tuple[float, float]],
-    paths: Sequence[tuple[Sequence[float], Sequence[float]]],
-) -> list[LabelPlacement]:
-    """Each label (text, point, color) at the first spot around its point that overlaps no
-    placed label, marker or the legend and stays inside the axes (crossing a line counts
-    against a spot, less)."""
-    from matplotlib.path import Path as LinePath
-    from matplotlib.transforms import Bbox
-
-    renderer = axes.figure.canvas.get_renderer()
-    to_pixels = axes.transData.transform
-    radius = 5 * axes.figure.dpi / 72  # about a marker's half width
-    blocked = [Bbox.from_extents(x - radius, y - radius, x + radius, y + radius)
-               for x, y in to_pixels(list(markers))] if markers else []
-    legend = axes.get_legend()
-    if legend is not None:
-        blocked.append(legend.get_window_extent(renderer))
-    lines = [LinePath(to_pixels(list(zip(*path, strict=True)))) for path in paths]
-    frame = axes.get_window_extent(renderer)
-    def cost(rank: int, box: Any) -> tuple[float, int, int]:
-        covered = sum(_overlap(box, other) for other in blocked)
-        outside = box.width * box.height - _overlap(box, frame)
-        crossed = sum(line.intersects_bbox(box, filled=False) for line in lines)
-        return covered + outside, crossed, rank
-
-    placements = []
-    for text, anchor, color in anchors:
-        boxes = [(offset, _label_box(axes, renderer, text, anchor, offset))
-                 for offset in _label_offsets()]
-        rank = min(range(len(boxes)), key=lambda rank: cost(rank, boxes[rank][1]))
-        offset, box = boxes[rank]
-        _annotate(axes, text, anchor, offset).set_color(color)
-        blocked.append(box)
-        placements.append(LabelPlacement(text, anchor, offset, tuple(box.extents)))
-    return placements
-
-
-def _label_offsets() -> list[tuple[float, float]]:
-    return [(dx * distance, dy * distance)
-            for distance in _LABEL_DISTANCES for dx, dy in _LABEL_DIRECTIONS]
-
-
-def _annotate(axes: Any, text: str, anchor: tuple[float, float],
-              offset: tuple[float, float], leader: bool = True) -> Any:
-    """The label at ``offset`` points from its point, aligned away from it."""
-    far = leader and max(abs(offset[0]), abs(offset[1])) > _LABEL_DISTANCES[0]
-    horizontal = "left" if offset[0] > 0 else "right" if offset[0] < 0 else "center"
-    vertical = "bottom" if offset[1] > 0 else "top" if offset[1] < 0 else "center"
-    return axes.annotate(
-        text, anchor, xytext=offset, textcoords="offset points", fontsize=8,
-        ha=horizontal, va=vertical,
-        arrowprops={"arrowstyle": "-", "color": "0.5", "linewidth": 0.6, "shrinkB": 4}
-        if far else None,
-    )
-
-
-def _label_box(axes: Any, renderer: Any, text: str, anchor: tuple[float, float],
-               offset: tuple[float, float]) -> Any:
-    """The pixels a label would cover at ``offset``, padded so labels do not touch."""
-    trial = _annotate(axes, text, anchor, offset, leader=False)
-    box = trial.get_window_extent(renderer).padded(2)
-    trial.remove()
-    return box
-
-
-def _overlap(box: Any, other: Any) -> float:
-    width = min(box.x1, other.x1) - max(box.x0, other.x0)
-    height = min(box.y1, other.y1) - max(box.y0, other.y0)
-    return width * height if width > 0 and height > 0 else 0.0
 
 
 def draw_memory_vs_depth(
@@ -547,7 +342,7 @@ def _label_line_ends(
     markers = [(depth, value) for values in groups for depth, value in zip(depths, values,
                                                                          strict=True)]
     lines = [(list(depths), list(values)) for values in groups]
-    return _place_labels(axes, anchors, markers, lines)
+    return place_labels(axes, anchors, markers, lines)
 
 
 def _save(figure: Any, path: str | Path, lay_out: bool = True) -> Path:
