@@ -86,3 +86,5 @@ def test_an_infeasible_budget_fails_on_every_rank(tmp_path: Path) -> None:
     assert "error" in first and "error" in second
     assert first["minimum"] == second["minimum"]
     assert "rank 0" in second["error"]
+    for rank in (first, second):  # no retry that would solve on one rank alone
+        assert "error.profile" not in rank["error"] and "on every rank" in rank["error"]

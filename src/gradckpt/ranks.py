@@ -12,12 +12,20 @@ rank 0's.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from .errors import BudgetError, GradckptError
 from .plan import Plan
+from .solvers.infeasible import RETRY_WITHOUT_MEASURING
+
+# What an infeasible budget's message advises instead of solving again on one rank.
+RETRY_ON_EVERY_RANK = (
+    " To retry: call gradckpt.enable (or the Trainer) again on every rank with "
+    "budget=error.minimum_bytes; rank 0 solves, every rank gets its plan."
+)
 
 __all__ = ["agreed_on_every_rank", "several_ranks"]
 
@@ -48,6 +56,8 @@ def agreed_on_every_rank(solve: Callable[[], Plan]) -> Plan:
             payload = [("error", type(error).__name__, str(error),
                         getattr(error, "minimum_bytes", None))]
     dist.broadcast_object_list(payload, src=0)
+    if isinstance(failure, BudgetError):
+        raise _retried_on_every_rank(failure, str(failure), failure.minimum_bytes) from None
     if failure is not None:
         raise failure
     kind, *rest = payload[0]
@@ -55,6 +65,19 @@ def agreed_on_every_rank(solve: Callable[[], Plan]) -> Plan:
         return Plan.from_json(rest[0])
     name, message, minimum_bytes = rest
     if name == "BudgetError":
-        # This rank's profile is not the one rank 0 solved from: none to retry with.
-        raise BudgetError(f"(solved on rank 0) {message}", minimum_bytes=minimum_bytes)
+        raise _retried_on_every_rank(None, f"(solved on rank 0) {message}", minimum_bytes)
     raise GradckptError(f"rank 0 failed to solve the plan: {name}: {message}")
+
+
+def _retried_on_every_rank(
+    error: BudgetError | None, message: str, minimum_bytes: int
+) -> BudgetError:
+    """The budget error every rank raises: solving again from one rank's profile
+    (``error.profile``) would make that rank's plan alone, so the retry it advises goes through
+    ``enable`` on every rank again. Only rank 0 keeps the profile it solved from."""
+    headline, _, explanation = message.partition("\n")  # the explanation comes wrapped
+    explanation = " ".join(explanation.split()).replace(
+        RETRY_WITHOUT_MEASURING.strip(), RETRY_ON_EVERY_RANK.strip())
+    message = f"{headline}\n{textwrap.fill(explanation, width=100)}" if explanation else headline
+    return BudgetError(message, minimum_bytes=minimum_bytes,
+                       profile=error.profile if error is not None else None)
