@@ -20,10 +20,6 @@ from gradckpt.profile_types import BlockProfile
 from gradckpt.solvers.infeasible import explain_infeasible
 
 ALLOWANCE = 1.03  # allocator noise allowed on a measured peak
-# The hand-written LoRA chain's least plan nests segments three deep, and its measured peak is
-# 4.6% above the prediction (one hidden state more is alive in the innermost recomputation than
-# the cost model counts): a known miss, under investigation.
-ALLOWANCES = {"hand-lora": 1.05}
 
 
 def chain_profile(head_bytes: int = 0) -> gradckpt.Profile:
@@ -154,8 +150,7 @@ def test_retrying_from_the_error_measures_nothing_and_trains_identically(case: s
     assert calls == []  # nothing measured again
     assert plan.segments  # the least plan checkpoints
     peak, checkpointed_gradients = plain_step(model, sample)
-    allowance = ALLOWANCES.get(case, ALLOWANCE)
-    assert peak <= error.minimum_bytes * allowance, (peak, error.minimum_bytes)
+    assert peak <= error.minimum_bytes * ALLOWANCE, (peak, error.minimum_bytes)
     assert peak < plain_peak
     assert_identical(checkpointed_gradients, plain_gradients)
     gradckpt.disable(model)

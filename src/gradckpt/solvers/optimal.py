@@ -2,9 +2,10 @@
 
 The search space is every plan ``gradckpt.cost.simulate`` evaluates and ``gradckpt.apply`` can
 install: any blocks kept, any runs of blocks checkpointed as segments (none across a chain
-break, ``Profile.chain_breaks``), segments nested inside segments to any depth (each child a
-proper sub-range of its parent: a child spanning its whole parent only repeats the same
-recomputation), and top-level one-block segments with
+break, ``Profile.chain_breaks``), segments nested inside segments to any depth (each child
+ending before its parent's last block: a parent's recomputation runs through to its end
+anyway, so a child ending there holds, measured, what its blocks kept would, and only adds
+its recomputation), and top-level one-block segments with
 ``policy="save-matmuls"`` (``profile`` measures each block run that way, so those predictions
 are measured ones; a longer segment under the policy could only be bounded, and ``apply``
 refuses a policy on a nested segment). The answer is the plan of least predicted extra time
@@ -459,6 +460,8 @@ class _TimeTables:
             side = chain.segment_side_bytes(s, j)
             if side and c1 == n + 1:  # the top-level column: the segment holds side inputs
                 options[-1:] = self._shift(options[-1:], side)
+            if low == j < n:  # column j: a child ending where its segment ends (none: module)
+                options[0] = _INF
             torch.minimum(segments_after[low - c0:], options, out=segments_after[low - c0:])
         self.after[s, columns] = torch.minimum(
             keep_after, self._shift(segments_after, chain.blocks[s].input_bytes)
@@ -547,7 +550,8 @@ class _TimeTables:
             rest = self._rest_after_keeping(s)[column, at].item() if 0 <= at < self.levels else _INF
             options.append((rest, 0, None, at))
         costs = chain.segments(s)
-        last = min(end - 1 if start == _OPENING else end, chain.limit[s])
+        # Inside a segment (column < n) no child reaches the segment's end (see the module).
+        last = min(end - 1 if column < chain.n else end, chain.limit[s])
         for j in range(s, last + 1):
             k = j - s
             inner = level - (0 if input_retained else self.units(chain.blocks[s].input_bytes))
@@ -619,6 +623,8 @@ class _LowestPeak:
             inner_peak = best_inside[k][0]  # final: children s..j' with j' < j are in
             at_input[s][j] = best_inside[k]
             for c in range(j, n + 1):
+                if c == j < n:  # a child ending where its segment ends (none: see the module)
+                    continue
                 rest_peak = after[j + 1][c][0]
                 plain = max(alive[c] + costs.transient[k], inner_peak, rest_peak)
                 option = (plain, ("segment", j))
