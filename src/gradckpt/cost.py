@@ -22,10 +22,10 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
 - backward, segment: its blocks run forward again (the children plan applies, with the incoming
   gradient x_(e+1) and the parameter gradients made so far alive), costing their
   ``recompute_seconds()`` (measured checkpointed, or their forward time), then their backward
-  as above; then x_s is released. A one-block segment's backward peak is
-  what ``profile`` measured for that block checkpointed alone
-  (``checkpointed_backward_peak_bytes``), where measured, except as the last child of another
-  segment, which that segment's recomputation runs through: then it is walked as above. A segment with a policy keeps its
+  as above; then x_s is released. A one-block segment's backward peak is what ``profile``
+  measured for that block checkpointed alone (``checkpointed_backward_peak_bytes``), where
+  measured, except as the last child of another segment, which that segment's recomputation
+  runs through: then it is walked as above. A segment with a policy keeps its
   blocks' matmul outputs from the first forward and recomputes only the rest; a one-block
   segment's backward peak and extra time under the policy are measured too
   (``policy_backward_peak_bytes``, ``policy_extra_seconds``), a longer one is walked as above
