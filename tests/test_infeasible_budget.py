@@ -168,13 +168,16 @@ def test_a_logits_bound_language_model_says_so() -> None:
     assert listed.lstrip().startswith("the logits"), message  # the largest item, named first
 
 
-def test_the_command_line_explains_and_names_the_budget_to_rerun_with(capsys) -> None:
+@pytest.mark.parametrize("estimate", [[], ["--estimate", "--device", "l4"]],
+                         ids=["measured", "estimated"])
+def test_the_command_line_explains_and_names_the_budget_to_rerun_with(estimate, capsys) -> None:
     from gradckpt.cli import main
 
-    assert main(["plan", "mlp-chain", "--batch", "2", "--seq", "4", "--budget", "1KiB"]) == 1
+    command = ["plan", "mlp-chain", "--batch", "2", "--seq", "4", *estimate]
+    assert main([*command, "--budget", "1KiB"]) == 1
     stderr = capsys.readouterr().err
     assert "The least plan's peak" in stderr and "error.profile" not in stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("gradckpt: error: budget 1.00 KiB is below"), last
     rerun = last.split("rerun with --budget ")[1].split()[0]
-    assert main(["plan", "mlp-chain", "--batch", "2", "--seq", "4", "--budget", rerun]) == 0
+    assert main([*command, "--budget", rerun]) == 0

@@ -21,7 +21,7 @@ from .plan import Plan
 from .profile_types import Profile
 from .ranks import agreed_on_every_rank
 from .solvers import solve
-from .solvers.infeasible import explain_infeasible
+from .solvers.infeasible import budget_message
 
 __all__ = ["enable", "solve_reserving"]
 
@@ -120,15 +120,16 @@ def _solve_reserving(
         plan = solve(measured, budget_bytes - reserved_bytes, strategy)
     except BudgetError as error:
         minimum = error.minimum_bytes + reserved_bytes
-        least = solve(measured, error.minimum_bytes, strategy)
+        # The solver's least plan is the least here too: the reserved memory only adds to it.
+        explanation = f"{error.explanation} {reserved_for} comes on top of that peak."
         raise BudgetError(
-            f"budget {format_bytes(budget_bytes)} is below the smallest peak {strategy} reaches "
-            f"with {reserved_for} ({format_bytes(reserved_bytes)}) counted, "
-            f"{format_bytes(minimum)}; raise the budget to at least that.\n"
-            + explain_infeasible(measured, least.segments,
-                                 f" {reserved_for} comes on top of that peak."),
+            budget_message(
+                f"budget {format_bytes(budget_bytes)} is below the smallest peak {strategy} "
+                f"reaches with {reserved_for} ({format_bytes(reserved_bytes)}) counted, "
+                f"{format_bytes(minimum)}; raise the budget to at least that.", explanation),
             minimum_bytes=minimum,
             profile=measured,
+            explanation=explanation,
         ) from None
     return dataclasses.replace(
         plan,

@@ -29,7 +29,8 @@ class BudgetError(GradckptError, ValueError):
     """No plan fits the memory budget.
 
     ``minimum_bytes`` is the smallest budget that any plan can meet; the message states it too,
-    with what the least plan's peak is made of and what would lower it. ``profile`` is the
+    with ``explanation``: what the least plan's peak is made of and what would lower it (one
+    paragraph, unwrapped; ``""`` where there is none). ``profile`` is the
     ``gradckpt.Profile`` the plan was solved from (``None`` where it is not at hand: on the
     ranks that did not solve), so that retrying needs no second measurement (where memory was
     reserved beside the step, an optimizer's state in the Trainer callback, pass the budget
@@ -42,10 +43,13 @@ class BudgetError(GradckptError, ValueError):
             gradckpt.apply(model, plan)
     """
 
-    def __init__(self, message: str, minimum_bytes: int, profile: Any = None) -> None:
+    def __init__(
+        self, message: str, minimum_bytes: int, profile: Any = None, explanation: str = ""
+    ) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
         self.profile = profile
+        self.explanation = explanation
 
 
 class GradckptWarning(UserWarning):

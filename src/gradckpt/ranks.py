@@ -12,14 +12,14 @@ rank 0's.
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from .errors import BudgetError, GradckptError
 from .plan import Plan
-from .solvers.infeasible import RETRY_WITHOUT_MEASURING
+from .solvers.infeasible import budget_message
 
 # What an infeasible budget's message advises instead of solving again on one rank.
 RETRY_ON_EVERY_RANK = (
@@ -54,30 +54,30 @@ def agreed_on_every_rank(solve: Callable[[], Plan]) -> Plan:
         except Exception as error:  # every rank must hear of it, or the others wait forever
             failure = error
             payload = [("error", type(error).__name__, str(error),
-                        getattr(error, "minimum_bytes", None))]
+                        getattr(error, "minimum_bytes", None), getattr(error, "explanation", ""))]
     dist.broadcast_object_list(payload, src=0)
     if isinstance(failure, BudgetError):
-        raise _retried_on_every_rank(failure, str(failure), failure.minimum_bytes) from None
+        raise _retried_on_every_rank(str(failure), failure.minimum_bytes, failure.explanation,
+                                     failure.profile) from None
     if failure is not None:
         raise failure
     kind, *rest = payload[0]
     if kind == "plan":
         return Plan.from_json(rest[0])
-    name, message, minimum_bytes = rest
+    name, message, minimum_bytes, explanation = rest
     if name == "BudgetError":
-        raise _retried_on_every_rank(None, f"(solved on rank 0) {message}", minimum_bytes)
+        # This rank's profile is not the one rank 0 solved from: none to retry with.
+        raise _retried_on_every_rank(f"(solved on rank 0) {message}", minimum_bytes,
+                                     explanation, None)
     raise GradckptError(f"rank 0 failed to solve the plan: {name}: {message}")
 
 
 def _retried_on_every_rank(
-    error: BudgetError | None, message: str, minimum_bytes: int
+    message: str, minimum_bytes: int, explanation: str, profile: Any
 ) -> BudgetError:
     """The budget error every rank raises: solving again from one rank's profile
     (``error.profile``) would make that rank's plan alone, so the retry it advises goes through
     ``enable`` on every rank again. Only rank 0 keeps the profile it solved from."""
-    headline, _, explanation = message.partition("\n")  # the explanation comes wrapped
-    explanation = " ".join(explanation.split()).replace(
-        RETRY_WITHOUT_MEASURING.strip(), RETRY_ON_EVERY_RANK.strip())
-    message = f"{headline}\n{textwrap.fill(explanation, width=100)}" if explanation else headline
-    return BudgetError(message, minimum_bytes=minimum_bytes,
-                       profile=error.profile if error is not None else None)
+    headline = message.partition("\n")[0]  # the budget and the smallest that works
+    return BudgetError(budget_message(headline, explanation, RETRY_ON_EVERY_RANK),
+                       minimum_bytes=minimum_bytes, profile=profile, explanation=explanation)

@@ -7,9 +7,18 @@ is one while working (exit status 1). Either is told as one line on stderr.
 
 from __future__ import annotations
 
-from ..errors import close_matches, did_you_mean, either
+import contextlib
+import math
+import sys
+import textwrap
+from collections.abc import Iterator
 
-__all__ = ["CommandLineError", "close_matches", "did_you_mean", "either", "one_line"]
+from ..errors import BudgetError, close_matches, did_you_mean, either
+
+__all__ = [
+    "CommandLineError", "budget_at_least", "close_matches", "did_you_mean", "either",
+    "explained_for_the_command_line", "one_line",
+]
 
 
 class CommandLineError(Exception):
@@ -26,3 +35,33 @@ def one_line(error: BaseException) -> str:
         'KeyboardInterrupt'
     """
     return " ".join(str(error).split()) or type(error).__name__
+
+
+@contextlib.contextmanager
+def explained_for_the_command_line() -> Iterator[None]:
+    """A ``BudgetError`` inside becomes, on the command line, a paragraph on stderr (its
+    ``explanation``: what the least plan's peak is made of, the levers) and an error line with
+    the ``--budget`` to rerun with; the Python-level retry it offers (``error.profile``) means
+    nothing here."""
+    try:
+        yield
+    except BudgetError as error:
+        if error.explanation:
+            print(textwrap.fill(error.explanation, width=100), file=sys.stderr)
+        # The message's first line: the budget and the smallest that works.
+        headline = str(error).partition("\n")[0].split("; raise the budget")[0]
+        raise BudgetError(
+            f"{headline}: rerun with --budget {budget_at_least(error.minimum_bytes)}",
+            minimum_bytes=error.minimum_bytes, profile=error.profile,
+            explanation=error.explanation,
+        ) from None
+
+
+def budget_at_least(n_bytes: int) -> str:
+    """A ``--budget`` of at least ``n_bytes``: MiB rounded up, so that it is never less.
+
+    Example:
+        >>> budget_at_least(26_876_283), budget_at_least(2**20)
+        ('25.64MiB', '1.00MiB')
+    """
+    return f"{math.ceil(n_bytes * 100 / 2**20) / 100:.2f}MiB"

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CommandLineError
+from .errors import CommandLineError, explained_for_the_command_line
 from .frontier import plot_plan
 from .memory_parts import retained_activation_bytes
 from .model_lookup import resolve_model
@@ -97,7 +97,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     usable_bytes = profile.notes["device_usable_bytes"]
     # "auto" is what the target has for the peak, not what this machine has free.
     budget = usable_bytes if str(args.budget).strip().lower() == "auto" else args.budget
-    plan = gradckpt.solve(profile, budget, args.strategy)
+    with explained_for_the_command_line():
+        plan = gradckpt.solve(profile, budget, args.strategy)
     parts = plan_memory_parts(profile, plan, args.optimizer)
     largest = max(parts, key=parts.get)
     world_size = profile.notes.get("world_size", 1)

@@ -5,16 +5,12 @@ With ``--estimate`` the profile is predicted instead (``estimate.run_estimate``)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .builtin_models import builtin_list
 from .devices import resolve_device, to_device
-from .errors import CommandLineError
+from .errors import CommandLineError, explained_for_the_command_line
 from .estimate import run_estimate, target_device
 from .frontier import plot_plan
 from .known_configs import KNOWN_CONFIGS, known_config_rows
@@ -25,8 +21,6 @@ from .progress import stage
 
 if TYPE_CHECKING:
     import torch
-
-    from gradckpt.profile_types import Profile
 
 __all__ = ["run_plan", "model_list"]
 
@@ -70,7 +64,7 @@ def run_plan(args: argparse.Namespace) -> int:
     optimizer = None if args.optimizer == "none" else args.optimizer
     optimizer_name = _OPTIMIZER_NAMES.get(args.optimizer, args.optimizer)
     optimizer_bytes = optimizer_state_bytes(optimizer, model)
-    with explained_for_the_command_line(profile, args.strategy, optimizer_bytes):
+    with explained_for_the_command_line():
         plan = solve_reserving(
             profile, args.budget, args.strategy, reserved_bytes=optimizer_bytes,
             reserved_for=f"{optimizer_name}'s state", device=device,
@@ -102,39 +96,6 @@ def run_plan(args: argparse.Namespace) -> int:
         plot_plan(profile, plan, Path(args.plot))
         print(f"plot written to {args.plot}")
     return 0
-
-
-@contextlib.contextmanager
-def explained_for_the_command_line(
-    profile: Profile, strategy: str, reserved_bytes: int = 0
-) -> Iterator[None]:
-    """A ``BudgetError`` inside becomes, on the command line, a paragraph on stderr (what the
-    least plan's peak is made of, the levers) and an error line with the ``--budget`` to rerun
-    with; the Python-level retry it offers (``error.profile``) means nothing here."""
-    from gradckpt import BudgetError, solve
-    from gradckpt.solvers.infeasible import explain_infeasible
-
-    try:
-        yield
-    except BudgetError as error:
-        least = solve(profile, error.minimum_bytes - reserved_bytes, strategy)
-        print(explain_infeasible(profile, least.segments), file=sys.stderr)
-        # The message's first line: the budget and the smallest that works.
-        headline = str(error).partition("\n")[0].split("; raise the budget")[0]
-        raise BudgetError(
-            f"{headline}: rerun with --budget {budget_at_least(error.minimum_bytes)}",
-            minimum_bytes=error.minimum_bytes, profile=profile,
-        ) from None
-
-
-def budget_at_least(n_bytes: int) -> str:
-    """A ``--budget`` of at least ``n_bytes``: MiB rounded up, so that it is never less.
-
-    Example:
-        >>> budget_at_least(26_876_283), budget_at_least(2**20)
-        ('25.64MiB', '1.00MiB')
-    """
-    return f"{math.ceil(n_bytes * 100 / 2**20) / 100:.2f}MiB"
 
 
 def _check_plan_arguments(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ from ..plan import Plan, Segment
 from ..profile_types import Profile
 from . import chen_greedy, optimal
 from .every_layer import solve_every_layer
-from .infeasible import RETRY_WITHOUT_MEASURING, explain_infeasible
+from .infeasible import RETRY_WITHOUT_MEASURING, budget_message, explain_infeasible
 from .none import solve_none
 from .sqrt import solve_sqrt
 
@@ -115,10 +115,8 @@ def _infeasible(profile: Profile, strategy: str, budget_bytes: int, plan: Plan) 
     else:
         minimum_bytes, least = plan.predicted_peak_bytes, plan.segments
         what = f"the {strategy} plan reaches (strategy='optimal' may reach less)"
-    return BudgetError(
-        f"budget {format_bytes(budget_bytes)} is below the smallest peak {what}, "
-        f"{format_bytes(minimum_bytes)}; raise the budget to at least that.\n"
-        + explain_infeasible(profile, least, RETRY_WITHOUT_MEASURING),
-        minimum_bytes=minimum_bytes,
-        profile=profile,
-    )
+    headline = (f"budget {format_bytes(budget_bytes)} is below the smallest peak {what}, "
+                f"{format_bytes(minimum_bytes)}; raise the budget to at least that.")
+    explanation = explain_infeasible(profile, least)
+    return BudgetError(budget_message(headline, explanation, RETRY_WITHOUT_MEASURING),
+                       minimum_bytes=minimum_bytes, profile=profile, explanation=explanation)

@@ -12,7 +12,9 @@ Example:
     >>> from gradckpt.profile_types import BlockProfile, Profile
     >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
     >>> profile = Profile(blocks, 1500, 1000, 12.0, head_bytes=300)
-    >>> print(explain_infeasible(profile, [Segment(0, 3)]))  # doctest: +ELLIPSIS
+    >>> print(budget_message("budget 1.10 KiB is below ...", explain_infeasible(
+    ...     profile, [Segment(0, 3)])))  # doctest: +ELLIPSIS
+    budget 1.10 KiB is below ...
     The least plan's peak, 1.28 KiB, comes at the output head: memory held all step (parameters,
     ...
 """
@@ -26,7 +28,7 @@ from ..cost import PHASES, phase_peaks
 from ..plan import Segment
 from ..profile_types import Profile
 
-__all__ = ["explain_infeasible"]
+__all__ = ["RETRY_WITHOUT_MEASURING", "budget_message", "explain_infeasible"]
 
 # What each part of the peak is, and what shrinks it when it is the largest part.
 _PARTS = {
@@ -67,9 +69,23 @@ RETRY_WITHOUT_MEASURING = (
 )
 
 
-def explain_infeasible(profile: Profile, least_segments: list[Segment], after: str = "") -> str:
+def budget_message(headline: str, explanation: str, after: str = "") -> str:
+    """A ``BudgetError``'s message: the headline (the budget and the smallest that works) on
+    its line, then the explanation and ``after`` (a sentence: how to retry) wrapped below it.
+
+    Example:
+        >>> print(budget_message("budget 1 B is below 2 B", "Why.", " Retry."))
+        budget 1 B is below 2 B
+        Why. Retry.
+    """
+    if not explanation:
+        return headline
+    return f"{headline}\n{textwrap.fill(explanation + after, width=100)}"
+
+
+def explain_infeasible(profile: Profile, least_segments: list[Segment]) -> str:
     """What the least plan's peak is made of, largest first, and what lowers the largest part
-    (see the module); ``after``: a sentence to end with."""
+    (see the module): one paragraph, unwrapped."""
     phases = phase_peaks(profile, least_segments)
     phase = max(PHASES, key=lambda name: phases[name])
     parts = _parts_at_peak(profile, phases, phase)
@@ -77,9 +93,9 @@ def explain_infeasible(profile: Profile, least_segments: list[Segment], after: s
     text = (
         f"The least plan's peak, {format_bytes(profile.fixed_bytes + phases[phase])}, comes "
         f"{_PHASE_WORDS[phase]}: {listed}. Checkpointing lowers "
-        f"only the activations; to lower the rest, {_PARTS[parts[0][0]][1]}.{after}"
+        f"only the activations; to lower the rest, {_PARTS[parts[0][0]][1]}."
     )
-    return textwrap.fill(text, width=100)
+    return text
 
 
 def _parts_at_peak(profile: Profile, phases: dict[str, int], phase: str) -> list[tuple[str, int]]:
