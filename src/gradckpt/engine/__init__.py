@@ -49,6 +49,7 @@ from .debug import debug_mode
 from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
 from .region import checkpoint
 from .segments import SegmentsHandle, checkpoint_segments, continues_chain
+from .suspension import plans_suspended
 from .tensors import detached_like, first_tensor, storage_key
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "checkpoint_segments",
     "SegmentsHandle",
     "continues_chain",
+    "plans_suspended",
     "detached_like",
     "first_tensor",
     "storage_key",

@@ -10,6 +10,7 @@ import torch
 from ..errors import UsageError
 from ..policies import PolicyLike, resolve_policy
 from .region import _run_checkpointed
+from .suspension import _handles_on, _standing_aside
 
 
 class _CheckpointSettings:
@@ -35,6 +36,8 @@ class _CheckpointedModule(torch.nn.Module):
     _gradckpt_original_class: type[torch.nn.Module]
 
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        if _standing_aside(self):  # plans_suspended: run as the module's own class
+            return super()._call_impl(*args, **kwargs)
         settings: _CheckpointSettings = self.__dict__["_gradckpt_settings"]
         return _run_checkpointed(
             super()._call_impl,
@@ -123,7 +126,7 @@ def checkpoint_module(
         )
     resolve_policy(policy)  # fail now, not in the middle of the first training step
     module.__dict__["_gradckpt_settings"] = _CheckpointSettings(policy, preserve_rng_state, name)
-    if not is_checkpointed(module):
+    if not isinstance(module, _CheckpointedModule):
         module.__class__ = _checkpointed_class(type(module))
     return module
 
@@ -137,21 +140,29 @@ def uncheckpoint_module(module: torch.nn.Module) -> torch.nn.Module:
         >>> type(gradckpt.uncheckpoint_module(block)) is torch.nn.Linear
         True
     """
-    if is_checkpointed(module):
+    if isinstance(module, _CheckpointedModule):
         module.__class__ = module._gradckpt_original_class
         module.__dict__.pop("_gradckpt_settings", None)
     return module
 
 
-def is_checkpointed(module: torch.nn.Module) -> bool:
-    """Whether ``checkpoint_module`` is in effect on ``module``.
+def is_checkpointed(model: torch.nn.Module) -> bool:
+    """Whether gradckpt checkpoints ``model`` or any module inside it: a plan's segments
+    (``gradckpt.enable`` / ``gradckpt.apply``, until ``gradckpt.disable``) or
+    ``checkpoint_module`` (until ``uncheckpoint_module``).
 
     Example:
         >>> import torch, gradckpt
-        >>> gradckpt.is_checkpointed(torch.nn.Linear(2, 2))
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> gradckpt.is_checkpointed(model)
         False
+        >>> _ = gradckpt.checkpoint_module(model[1])
+        >>> gradckpt.is_checkpointed(model), gradckpt.is_checkpointed(model[0])
+        (True, False)
     """
-    return isinstance(module, _CheckpointedModule)
+    modules = list(model.modules())
+    return (any(isinstance(module, _CheckpointedModule) for module in modules)
+            or bool(_handles_on(modules)))
 
 
 def replace_forward(module: torch.nn.Module, forward: Any) -> Callable[[], None]:

@@ -6,17 +6,29 @@ is not one: its ``forward`` calls ``block(hidden, ...)`` for each block in a loo
 the same, with hooks on the blocks:
 
 - the first block's pre-hook opens the region: it saves that block's inputs (the only tensors the
-  region keeps) and pushes the region's saved-tensor hooks;
+  region keeps);
 - each later block's pre-hook records how it was called (its other arguments: attention masks,
   position embeddings) and checks that its hidden-state input *is* the previous block's output —
   otherwise something runs between the blocks and they cannot form one region;
-- the last block's post-hook closes the region.
+- around each block's call (from its pre-hook to its post-hook) the region's saved-tensor hooks
+  (and its policy's dispatch mode) are on; the last block's post-hook closes the region.
 
 Recomputation calls the blocks again, in order, feeding each block's output to the next. Segments
 may nest (a segment inside a segment, as optimal schedules do): the outer one is opened first and
 closed last, and while a segment is being recomputed only segments inside it open (engine rule R3).
 This is the mechanism behind plans whose segments span more than one block; a single block can
 also use ``gradckpt.checkpoint_module``.
+
+Failure safety. Torch keeps saved-tensor hooks and dispatch modes on per-thread stacks and every
+exit pops the top, whoever pushed it; a region's hooks left on across the model's own code would
+be popped by whatever scope of the caller ends first (a block run alone, a ``with`` around one
+block, an exception or ``KeyboardInterrupt`` between blocks), and every later step of the thread,
+on any model, would save its tensors into a dead region. So the hooks are on only within one
+block's call, where its post-hook (``always_call``, for exceptions) or its forward (for
+``KeyboardInterrupt``, which skips post-hooks) takes them off again. A segment whose blocks stop
+coming (an exception, a forward cut short, a block called on its own) is finished where it
+stopped: the next call that does not continue it drops it, and recomputation replays the blocks
+that ran. ``plans_suspended`` (suspension.py) makes the hooks stand aside.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from .debug import _debug_state
 from .module import replace_forward
 from .policy_mode import _PolicyMode
 from .region import _Region, _unpack
+from .suspension import _register_handle, _standing_aside, _unregister_handle
 from .tensors import detached_like, first_tensor, storage_key
 
 __all__ = ["checkpoint_segments", "SegmentsHandle"]
@@ -120,23 +133,47 @@ class _CallRecord:
 
 
 class _Run:
-    """One forward pass through one segment: how its blocks were called.
+    """One forward pass through one segment: how its blocks were called, and the region's
+    hooks, entered around each of its blocks' calls while the run is open.
 
-    The region replays the run (``region.fn``), so the run must not hold the region: the
-    cycle would keep the region's saved inputs alive until the garbage collector runs, a
-    hidden state per segment through the rest of backward.
+    The region replays the run (``region.fn``), so once closed the run must not hold the
+    region (its hooks do): the cycle would keep the region's saved inputs alive until the
+    garbage collector runs, a hidden state per segment through the rest of backward.
     """
 
-    def __init__(self, segment: _Segment, contexts: contextlib.ExitStack) -> None:
+    def __init__(self, segment: _Segment, hooks: list[Any]) -> None:
         self.segment = segment
-        self.contexts = contexts
+        self.hooks = hooks  # context managers, re-entered around each block's call
         self.records: list[_CallRecord] = []
         self.last_output: torch.Tensor | None = None
+        self.next_index = segment.start  # the block the run expects next
+
+    def continues_at(self, index: int) -> bool:
+        """Whether block ``index`` is the next one of this run (not its first)."""
+        return self.segment.start < index == self.next_index <= self.segment.end
+
+    def close(self) -> None:
+        self.hooks = []
+        self.last_output = None
 
 
-class _Replaying(threading.local):
+class _Frame:
+    """The runs open in one forward pass, or in one recomputation of ``replaying`` (where
+    only segments inside it open: R3)."""
+
+    def __init__(self, replaying: _Segment | None) -> None:
+        self.replaying = replaying
+        self.runs: dict[_Segment, _Run] = {}
+
+
+class _ThreadState(threading.local):
+    """A handle's state on one thread (recomputation runs on autograd's thread on CUDA):
+    its frames, innermost last, and per block call in progress whose hooks are on, the
+    block's index and the hooks entered (innermost call last)."""
+
     def __init__(self) -> None:
-        self.stack: list[_Segment] = []
+        self.frames: list[_Frame] = [_Frame(None)]
+        self.entered: list[tuple[int, contextlib.ExitStack]] = []
 
 
 class SegmentsHandle:
@@ -145,8 +182,7 @@ class SegmentsHandle:
     def __init__(self, blocks: Sequence[nn.Module], segments: list[_Segment]) -> None:
         self.blocks = list(blocks)
         self.segments = segments
-        self.runs: dict[_Segment, _Run] = {}
-        self.replaying = _Replaying()
+        self.local = _ThreadState()
         # Outer segments open first and close last, so the hook stacks stay properly nested.
         self.opening = {
             j: sorted((s for s in segments if s.start == j), key=lambda s: s.start - s.end)
@@ -160,7 +196,8 @@ class SegmentsHandle:
         # Under torch.compile the hooks stand aside and each block of a segment runs as a
         # torch.utils.checkpoint region of its own (compiled.py: what survives compilation).
         self.lowered = [
-            _lower_for_compile(block, _policy_of(index, segments))
+            _lower_for_compile(block, _policy_of(index, segments),
+                               functools.partial(self.interrupted, index))
             for index, block in enumerate(self.blocks)
             if any(s.start <= index <= s.end for s in segments)
         ]
@@ -175,10 +212,13 @@ class SegmentsHandle:
                     functools.partial(self.after_block, index), always_call=True
                 )
             )
+        _register_handle(self)
 
     def remove(self) -> None:
         """Remove the hooks; the blocks run exactly as before."""
-        self.abort_runs()
+        _unregister_handle(self)
+        for frame in self.local.frames:
+            self.abort_runs(frame)
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
@@ -189,40 +229,75 @@ class SegmentsHandle:
     # ---- hooks ----------------------------------------------------------------------------
 
     def before_block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or compiling():
+        if not torch.is_grad_enabled() or compiling() or _standing_aside(self):
             return
-        for run in self.runs.values():
-            if run.segment.start < index <= run.segment.end:
+        frame = self.local.frames[-1]
+        self.finish_runs_cut_short(frame, index)
+        entered = contextlib.ExitStack()
+        try:
+            # Outer runs first: a tensor belongs to the innermost region (R1), whose hooks
+            # are on top; a segment opening here saves its inputs into the ones around it (R2).
+            for run in sorted(frame.runs.values(), key=lambda run: _nesting(run.segment)):
                 self.record_call(run, index, args, kwargs)
-        for segment in self.opening[index]:
-            if self.may_open(segment):
-                self.open(segment, args, kwargs)
+                for hook in run.hooks:
+                    entered.enter_context(hook)
+            for segment in self.opening[index]:
+                if self.may_open(frame, segment):
+                    for hook in self.open(frame, segment, args, kwargs).hooks:
+                        entered.enter_context(hook)
+        except BaseException:
+            entered.close()
+            self.abort_runs(frame)
+            raise
+        if frame.runs:
+            self.local.entered.append((index, entered))
 
     def after_block(self, index: int, block: nn.Module, args: tuple, output: Any) -> None:
         if compiling():
             return
-        if output is None and sys.exc_info()[0] is not None:  # it raised: leave no hooks behind
-            self.abort_runs()
+        entered = self.take_entered(index)
+        if entered is None:  # no run of ours around this call (no grad, suspended, none)
             return
-        for run in self.runs.values():
-            if run.segment.start <= index <= run.segment.end:
+        entered.close()  # the regions' hooks off, innermost first
+        frame = self.local.frames[-1]
+        if output is None and sys.exc_info()[0] is not None:  # it raised: leave nothing open
+            self.abort_runs(frame)
+            return
+        for run in frame.runs.values():
+            if run.next_index == index:
                 run.last_output = first_tensor(output)
+                run.next_index = index + 1
         for segment in self.closing[index]:
-            run = self.runs.pop(segment, None)
+            run = frame.runs.pop(segment, None)
             if run is not None:
-                run.contexts.close()
-                run.last_output = None  # the run lives on for recomputation; this must not
+                run.close()
+
+    def interrupted(self, index: int) -> None:
+        """Block ``index``'s forward raised a ``KeyboardInterrupt`` (or another exception
+        that is not an ``Exception``), which torch runs no post-hook for: do its part."""
+        entered = self.take_entered(index)
+        if entered is not None:
+            entered.close()
+            self.abort_runs(self.local.frames[-1])
+
+    def take_entered(self, index: int) -> contextlib.ExitStack | None:
+        """The hooks the pre-hook of this call of block ``index`` entered, if it did."""
+        entered = self.local.entered
+        if entered and entered[-1][0] == index:
+            return entered.pop()[1]
+        return None
 
     # ---- opening, recording, closing ------------------------------------------------------
 
-    def may_open(self, segment: _Segment) -> bool:
+    def may_open(self, frame: _Frame, segment: _Segment) -> bool:
         # While a segment is recomputed, only segments inside it open (R3); it does not reopen.
-        if self.replaying.stack:
-            inner_most = self.replaying.stack[-1]
-            return inner_most.contains(segment) and segment is not inner_most
-        return segment not in self.runs
+        if segment in frame.runs:
+            return False
+        if frame.replaying is not None:
+            return frame.replaying.contains(segment) and segment is not frame.replaying
+        return True
 
-    def open(self, segment: _Segment, args: tuple, kwargs: dict) -> None:
+    def open(self, frame: _Frame, segment: _Segment, args: tuple, kwargs: dict) -> _Run:
         region = _Region(
             None,  # set below, once the run exists: recomputation replays this run's calls
             name=segment.name,
@@ -231,20 +306,18 @@ class SegmentsHandle:
             debug=_debug_state.enabled,
         )
         region.save_inputs(args, kwargs)
-        contexts = contextlib.ExitStack()
+        hooks: list[Any] = []
         if region.policy is not None or region.debug:
-            contexts.enter_context(_PolicyMode(region, recomputing=False))
-        contexts.enter_context(
-            torch.autograd.graph.saved_tensors_hooks(region.pack_during_forward, _unpack)
-        )
-        run = _Run(segment, contexts)
+            hooks.append(_PolicyMode(region, recomputing=False))
+        hooks.append(torch.autograd.graph.saved_tensors_hooks(region.pack_during_forward, _unpack))
+        run = _Run(segment, hooks)
         region.fn = functools.partial(self.replay, segment, run)
-        self.runs[segment] = run
+        frame.runs[segment] = run
+        return run
 
     def record_call(self, run: _Run, index: int, args: tuple, kwargs: dict) -> None:
         record = _CallRecord(args, kwargs, run.last_output)
         if not record.continues:
-            self.abort_runs()
             raise UsageError(
                 f"gradckpt: block {index} of segment {run.segment.name!r} was not called with "
                 f"the output of block {index - 1}: something runs between the two blocks, so "
@@ -253,26 +326,43 @@ class SegmentsHandle:
             )
         run.records.append(record)
 
-    def abort_runs(self) -> None:
-        # Innermost first: they were opened last.
-        for segment in sorted(self.runs, key=lambda s: s.start - s.end):
-            self.runs.pop(segment).contexts.close()
+    def finish_runs_cut_short(self, frame: _Frame, index: int) -> None:
+        """Close the runs that block ``index`` does not continue: their blocks stopped coming
+        (an exception or interrupt between blocks, a forward that ended early, a block called
+        on its own). Their regions recompute the blocks that ran."""
+        for segment, run in list(frame.runs.items()):
+            if not run.continues_at(index):
+                del frame.runs[segment]
+                run.close()
+
+    def abort_runs(self, frame: _Frame) -> None:
+        for run in frame.runs.values():
+            run.close()
+        frame.runs.clear()
 
     # ---- recomputation --------------------------------------------------------------------
 
     def replay(self, segment: _Segment, run: _Run, *args: Any, **kwargs: Any) -> Any:
-        """Run the segment's blocks again, each fed the previous one's output."""
-        self.replaying.stack.append(segment)
+        """Run the segment's blocks again, each fed the previous one's output: the blocks the
+        run saw (all of them, unless its forward pass stopped early)."""
+        frames = self.local.frames
+        frame = _Frame(replaying=segment)
+        frames.append(frame)
         try:
             output = self.blocks[segment.start](*args, **kwargs)
-            for record, block in zip(
-                run.records, self.blocks[segment.start + 1 : segment.end + 1], strict=True
-            ):
+            for index, record in enumerate(run.records, start=segment.start + 1):
                 block_args, block_kwargs = record.call_with(first_tensor(output))
-                output = block(*block_args, **block_kwargs)
+                output = self.blocks[index](*block_args, **block_kwargs)
             return output
         finally:
-            self.replaying.stack.pop()
+            # Recomputation stops in the middle of a segment (R5): close what it opened.
+            self.abort_runs(frame)
+            frames.pop()
+
+
+def _nesting(segment: _Segment) -> tuple[int, int]:
+    """Sort key putting a segment before the segments inside it."""
+    return (segment.start, -segment.end)
 
 
 def _policy_of(index: int, segments: list[_Segment]) -> PolicyLike:
@@ -282,11 +372,14 @@ def _policy_of(index: int, segments: list[_Segment]) -> PolicyLike:
                  if s.start <= index <= s.end and s.policy is not None), None)
 
 
-def _lower_for_compile(block: nn.Module, policy: PolicyLike) -> Callable[[], None]:
+def _lower_for_compile(
+    block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
+) -> Callable[[], None]:
     """Give ``block`` a forward that, while ``torch.compile`` traces it with gradients, runs
     as one ``torch.utils.checkpoint`` region under ``policy``, and otherwise is the block's
-    own forward; return what puts the block's forward back."""
-    return replace_forward(block, _CompiledForward(block, policy))
+    own forward (calling ``interrupted`` if that raises a ``KeyboardInterrupt``); return what
+    puts the block's forward back."""
+    return replace_forward(block, _CompiledForward(block, policy, interrupted))
 
 
 class _CompiledForward:
@@ -297,17 +390,28 @@ class _CompiledForward:
     forward runs the copy's parameters, where a copied closure would run the original's.
     """
 
-    def __init__(self, block: nn.Module, policy: PolicyLike) -> None:
+    def __init__(
+        self, block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
+    ) -> None:
         self.block = block
         self.policy = policy
+        self.interrupted = interrupted
         self.own = block.__dict__.get("forward")  # a forward set on the instance, if any
         functools.update_wrapper(self, block.forward)  # its name, doc and signature
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.own or functools.partial(type(self.block).forward, self.block)
-        if compiling() and torch.is_grad_enabled():
-            return torch_checkpoint(forward, args, kwargs, self.policy)
-        return forward(*args, **kwargs)
+        if compiling():
+            if torch.is_grad_enabled():
+                return torch_checkpoint(forward, args, kwargs, self.policy)
+            return forward(*args, **kwargs)
+        try:
+            return forward(*args, **kwargs)
+        except Exception:
+            raise  # the block's post-hook runs (always_call) and cleans up
+        except BaseException:
+            self.interrupted()  # torch runs no post-hook for these
+            raise
 
 
 def checkpoint_segments(

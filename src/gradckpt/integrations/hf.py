@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,6 +199,9 @@ def _caches_off_while_training(model: nn.Module) -> Callable[[], None] | None:
     pending: list[Callable[[], None] | None] = []
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        # Left by a forward that a KeyboardInterrupt ended (torch runs no post-hook then; the
+        # model's forward does not call itself): its caches come back first.
+        put_back_pending()
         if not torch.is_grad_enabled():  # inference and generate(): the cache as configured
             pending.append(None)
             return None
@@ -215,16 +219,32 @@ def _caches_off_while_training(model: nn.Module) -> Callable[[], None] | None:
         model.register_forward_hook(after, with_kwargs=True, always_call=True),
     ]
 
+    def put_back_pending() -> None:
+        while pending:
+            if (restore := pending.pop()) is not None:
+                restore()
+
     def remove() -> None:
         for handle in handles:
             handle.remove()
+        put_back_pending()
 
     return remove
 
 
+# The modules whose ``gradient_checkpointing`` flag an applied plan set (with how many plans
+# did: the plan's model and a wrapper of it may both have one), not Transformers.
+_flagged_by_plans: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
 def _transformers_checkpointing_off(model: nn.Module) -> Callable[[], None] | None:
-    """Turn off every ``gradient_checkpointing`` flag Transformers set; warn once."""
-    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    """Turn off every ``gradient_checkpointing`` flag Transformers set; warn once.
+
+    Not the flags a gradckpt plan set (``_flags_say_checkpointing``): ``profile`` measuring a
+    planned model finds those, and they are not Transformers' checkpointing.
+    """
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+               and m not in _flagged_by_plans]
     if not flagged:
         return None
     warn_once(
@@ -247,6 +267,7 @@ def _flags_say_checkpointing(pretrained: list[nn.Module]) -> Callable[[], None]:
     before = [(m, m.__dict__.get("gradient_checkpointing", missing)) for m in pretrained]
     for module in pretrained:
         module.gradient_checkpointing = True
+        _flagged_by_plans[module] = _flagged_by_plans.get(module, 0) + 1
 
     def restore() -> None:
         for module, value in before:
@@ -254,6 +275,11 @@ def _flags_say_checkpointing(pretrained: list[nn.Module]) -> Callable[[], None]:
                 module.__dict__.pop("gradient_checkpointing", None)
             else:
                 module.gradient_checkpointing = value
+            left = _flagged_by_plans.get(module, 1) - 1
+            if left:
+                _flagged_by_plans[module] = left
+            else:
+                _flagged_by_plans.pop(module, None)
 
     return restore
 
