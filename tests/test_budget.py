@@ -1,4 +1,6 @@
-"""parse_budget reads every documented form of a budget and refuses the rest with clear messages.
+"""parse_budget reads every documented form of a budget and refuses the rest with clear messages,
+at once and with what was meant for the usual slips ("60", 0.6); check_budget checks the form
+before anything runs.
 
 "auto" is tested against fake /proc/meminfo and cgroup files and a fake CUDA device, so that the
 arithmetic is checked exactly on any machine; one test reads the real machine's memory.
@@ -7,6 +9,8 @@ arithmetic is checked exactly on any machine; one test reads the real machine's 
 from __future__ import annotations
 
 import os
+import re
+import time
 
 import pytest
 import torch
@@ -15,7 +19,13 @@ from hypothesis import strategies as st
 
 import gradckpt
 from gradckpt import budget as budget_module
-from gradckpt.budget import available_bytes, format_bytes, parse_budget
+from gradckpt.budget import (
+    available_bytes,
+    check_budget,
+    format_bytes,
+    parse_budget,
+    rounded_up_budget,
+)
 
 KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
 
@@ -43,11 +53,11 @@ KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
         ("64kB", 64_000),
         ("3TB", 3 * 10**12),
         ("1PB", 10**15),
-        ("1024", 1024),
         ("1024B", 1024),
         ("1024 b", 1024),
-        ("1.9", 1),  # fractions of a byte are dropped
-        ("1e3", 1000),
+        ("1.9B", 1),  # fractions of a byte are dropped
+        ("1e3B", 1000),
+        (1.0, 1),  # a float that is a whole number, 1 or more: bytes, like an int
         ("2e3 MiB", 2000 * MIB),
         ("+5GiB", 5 * GIB),
     ],
@@ -150,7 +160,7 @@ def test_unit_without_b_is_ambiguous(budget: str, suggestions: str) -> None:
     assert str(error.value) == f"budget {budget!r} is ambiguous: {suggestions}"
 
 
-@pytest.mark.parametrize("budget", [0, "0", "0GiB", "0.4", 0.0])
+@pytest.mark.parametrize("budget", [0, "0", "0GiB", "0.0", 0.0])
 def test_zero_budgets_are_refused(budget: int | str) -> None:
     with pytest.raises(gradckpt.UsageError) as error:
         parse_budget(budget)
@@ -186,6 +196,51 @@ def test_other_types_are_refused(budget: object, type_name: str) -> None:
         parse_budget(budget)
     assert f"budget must be an int or a str, got {type_name}" in str(error.value)
     assert "'6GiB'" in str(error.value) and "'auto'" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("budget", "meant"),
+    [
+        ("60", "did you mean '60%' or '60GiB'? (for 60 bytes write '60B' or pass the int 60)"),
+        (" 24 ", "did you mean '24%' or '24GiB'? (for 24 bytes write '24B' or pass the int 24)"),
+        ("1", "did you mean '1%' or '1GiB'? (for 1 byte write '1B' or pass the int 1)"),
+        ("1.5", "did you mean '1.5%' or '1.5GiB'?"),
+        ("100", "'100%' or '100GiB'? (for 100 bytes write '100B' or pass the int 100)"),
+        ("8000", "did you mean '8000MiB'? (for 8000 bytes write '8000B' or pass the int 8000)"),
+        ("1e3", "did you mean '1e3MiB'? (for 1000 bytes write '1e3B' or pass the int 1000)"),
+        ("6000000000", "write '6000000000B' (5.59 GiB) or pass the int 6000000000"),
+        ("+60", "did you mean '+60%' or '+60GiB'? (for 60 bytes write '+60B' or pass the int 60)"),
+    ],
+)
+def test_a_bare_number_in_a_string_is_refused_with_what_was_meant(budget: str,
+                                                                 meant: str) -> None:
+    with pytest.raises(gradckpt.UsageError) as error:
+        parse_budget(budget, unconstrained_peak_bytes=GIB)
+    assert str(error.value).startswith(f"budget {budget!r}: a bare number is bytes; "), error
+    assert str(error.value).endswith(meant)
+
+
+@pytest.mark.parametrize(
+    ("budget", "percent"),
+    [(0.6, "60%"), (0.05, "5%"), (0.333, "33.3%"), ("0.6", "60%"), (".75", "75%"),
+     (0.999, "99.9%")],
+)
+def test_a_fraction_below_one_is_refused_as_the_share_it_surely_is(budget: float | str,
+                                                                   percent: str) -> None:
+    with pytest.raises(gradckpt.UsageError) as error:
+        parse_budget(budget)
+    written = budget.strip() if isinstance(budget, str) else repr(budget)
+    assert str(error.value) == (f"budget {budget!r}: a bare number is bytes, and {written} is "
+                                f"less than one; did you mean '{percent}'?")
+
+
+def test_a_bare_number_is_refused_before_the_device_is_read(monkeypatch) -> None:
+    def no_device(device=None):
+        raise AssertionError("read the device for a budget that is refused anyway")
+
+    monkeypatch.setattr(budget_module, "available_bytes", no_device)
+    with pytest.raises(gradckpt.UsageError, match="a bare number is bytes"):
+        parse_budget("60", device="cpu")
 
 
 def test_usage_errors_are_value_errors() -> None:
@@ -335,6 +390,82 @@ def test_auto_on_other_devices_is_a_usage_error() -> None:
     assert "budget 'auto' supports cuda and cpu devices, not 'meta'" in str(error.value)
 
 
+def test_auto_for_another_device_is_the_bytes_it_has(monkeypatch) -> None:
+    def no_device(device=None):
+        raise AssertionError("an estimate's 'auto' read this machine's memory")
+
+    monkeypatch.setattr(budget_module, "available_bytes", no_device)
+    assert parse_budget("auto", device_bytes=22 * GIB) == 22 * GIB
+    assert parse_budget(" Auto ", device="cuda", device_bytes=78 * GIB) == 78 * GIB
+    assert parse_budget("6GiB", device_bytes=22 * GIB) == 6 * GIB  # only "auto" reads it
+
+
+@pytest.mark.parametrize("device_bytes", [0, -1, 1.5, True, "22GiB"])
+def test_auto_for_another_device_needs_a_positive_int(device_bytes: object) -> None:
+    with pytest.raises(gradckpt.UsageError):
+        parse_budget("auto", device_bytes=device_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# check_budget: the form alone, before anything runs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "budget", ["auto", " AUTO ", "60%", "0.5%", "100%", "6GiB", "500MB", "1024B", 2**30, 6e9]
+)
+def test_check_budget_accepts_every_form_without_a_profile_or_a_device(budget, monkeypatch
+                                                                       ) -> None:
+    def no_device(device=None):
+        raise AssertionError("check_budget read a device")
+
+    monkeypatch.setattr(budget_module, "available_bytes", no_device)
+    assert check_budget(budget) is None
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        ("60", "a bare number is bytes; did you mean '60%' or '60GiB'?"),
+        (0.6, "did you mean '60%'?"),
+        ("150%", "a percentage must be above 0% and at most 100%"),
+        ("6G", "is ambiguous"),
+        ("6 gigs", "not understood"),
+        ("-1GiB", "is negative"),
+        (0, "is 0 bytes"),
+        (None, "budget must be an int or a str"),
+        (True, "is a bool"),
+    ],
+)
+def test_check_budget_refuses_what_parse_budget_would(budget, message) -> None:
+    with pytest.raises(gradckpt.UsageError, match=re.escape(message)):
+        check_budget(budget)
+
+
+@pytest.mark.parametrize("budget", ["60", 0.6, "6G", "150%"])
+def test_enable_refuses_a_malformed_budget_before_running_the_model(budget) -> None:
+    from gradckpt.models import mlp_chain
+
+    model = mlp_chain(4, 8)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    started = time.perf_counter()
+    with pytest.raises(gradckpt.UsageError):
+        gradckpt.enable(model, torch.randn(16, 8), budget=budget, optimizer="none")
+    assert time.perf_counter() - started < 0.5
+    assert calls == [] and gradckpt.get_plan(model) is None  # never run, nothing installed
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_refusals_come_at_once() -> None:
+    started = time.perf_counter()
+    for budget in ("60", 0.6, "6G", "150%"):
+        with pytest.raises(gradckpt.UsageError):
+            check_budget(budget)
+    assert time.perf_counter() - started < 0.5
+
+
 # --------------------------------------------------------------------------------------------
 # format_bytes
 # --------------------------------------------------------------------------------------------
@@ -373,3 +504,14 @@ def test_format_then_parse_round_trips_within_rounding(n: int) -> None:
         # two decimals of the unit: off by at most half a hundredth of it, i.e. 0.5% of n
         unit = 1024 ** ["B", "KiB", "MiB", "GiB", "TiB", "PiB"].index(text.split()[1])
         assert abs(back - n) <= unit // 200 + 1
+
+
+@given(st.integers(min_value=1, max_value=2**55))
+def test_a_rounded_up_budget_is_never_below_and_barely_above(n_bytes: int) -> None:
+    typed = rounded_up_budget(n_bytes)
+    read = parse_budget(typed)
+    assert n_bytes <= read
+    unit = 1024 ** ["B", "KiB", "MiB", "GiB", "TiB", "PiB"].index(typed.lstrip("0123456789."))
+    assert read - n_bytes <= max(unit // 100, 1)  # one hundredth of its unit at most
+    whole, _, hundredths = typed.rstrip("BKMGTPi").partition(".")
+    assert int(whole) >= 1 and (not hundredths or len(hundredths) == 2)

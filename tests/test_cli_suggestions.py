@@ -1,17 +1,19 @@
-"""What the command line says when it is wrong in the ways a newcomer gets it wrong (issue 17):
-a negative size, a misspelt flag, command, model name or config ``model_type``. Each error
-names what was wrong and, where something close exists, what was meant."""
+"""What the command line says when it is wrong in the ways a newcomer gets it wrong (issues 17
+and 22): a negative size, a bare number as a budget, a misspelt flag, command, model name or
+config ``model_type``. Each error names what was wrong and, where something close exists, what
+was meant; a budget too small names the ``--budget`` to rerun with, as a user would type it."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 import gradckpt
-from gradckpt.budget import parse_budget
+from gradckpt.budget import parse_budget, rounded_up_budget
 from gradckpt.cli import build_parser, main
-from gradckpt.cli.errors import CommandLineError, did_you_mean
+from gradckpt.cli.errors import CommandLineError, budget_at_least, did_you_mean
 from gradckpt.cli.model_lookup import check_model_name
 from gradckpt.errors import close_matches
 from gradckpt.integrations import hf
@@ -67,6 +69,22 @@ def test_a_value_starting_with_minus_and_a_digit_is_a_value_not_a_flag():
 def test_parse_budget_refuses_a_negative_size_as_negative():
     with pytest.raises(gradckpt.UsageError, match="'-1GiB' is negative; a budget is the step's"):
         parse_budget("-1GiB", unconstrained_peak_bytes=2**30)
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [
+        ("60", "--budget: budget '60': a bare number is bytes; did you mean '60%' or '60GiB'? "
+         "(for 60 bytes write '60B' or pass the int 60)"),
+        ("0.6", "--budget: budget '0.6': a bare number is bytes, and 0.6 is less than one; did "
+         "you mean '60%'?"),
+    ],
+)
+def test_a_bare_number_as_budget_is_refused_at_once_with_what_was_meant(budget, expected,
+                                                                        capsys):
+    started = time.perf_counter()
+    assert_one_usage_error(["plan", "tinygpt", "--budget", budget], expected, capsys)
+    assert time.perf_counter() - started < 1  # before the model is built or profiled
 
 
 # 2. Did you mean, for flags and commands
@@ -201,3 +219,24 @@ def test_close_matches_name_what_aliases_stand_for_each_once():
     assert close_matches("h100-sx", aliases, aliases=aliases) == ["h100-80gb"]
     assert close_matches("h10", aliases) == ["h100"]
     assert close_matches("xyzzy", aliases, aliases=aliases) == []
+
+
+# The --budget to rerun with
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n_bytes", "typed"),
+    [
+        (65_326_459_290, "60.85GiB"),  # 62300.10 MiB: in GiB, rounded up
+        (26_876_283, "25.64MiB"),
+        (2**20, "1.00MiB"),
+        (2**20 + 1, "1.01MiB"),  # never below: 1.00MiB would not do
+        (2**30 - 1, "1.00GiB"),  # not 1024.00MiB
+        (1536, "1.50KiB"),
+        (1023, "1023B"),
+        (3 * 2**40, "3.00TiB"),
+    ],
+)
+def test_the_budget_to_rerun_with_is_typed_in_the_largest_unit_rounded_up(n_bytes, typed):
+    assert budget_at_least(n_bytes) == typed == rounded_up_budget(n_bytes)

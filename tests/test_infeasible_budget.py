@@ -14,7 +14,6 @@ from torch import nn
 
 import gradckpt
 from gradckpt import BudgetError, UsageError
-from gradckpt.enable import solve_reserving
 from gradckpt.measure import loss_of, measure_peak_bytes
 from gradckpt.profile_types import BlockProfile
 from gradckpt.solvers.infeasible import explain_infeasible
@@ -86,12 +85,18 @@ def test_a_fixed_strategy_over_budget_points_at_optimal() -> None:
                                                         ).predicted_peak_bytes
 
 
-def test_memory_reserved_beside_the_step_is_named_and_no_wrong_retry_is_offered() -> None:
+def test_the_optimizer_state_is_named_and_the_retry_holds_it() -> None:
+    profile = chain_profile()
+    profile.fixed_bytes += 400  # the state is held all step: part of fixed_bytes
+    profile.optimizer_state_bytes = 400
+    profile.notes["optimizer"] = "AdamW"
     with pytest.raises(BudgetError) as caught:
-        solve_reserving(chain_profile(), 1450, reserved_bytes=400, reserved_for="AdamW's state")
+        gradckpt.solve(profile, 1450)
     message = str(caught.value)
-    assert "AdamW's state comes on top of that peak" in message
-    assert "error.minimum_bytes" not in message  # solve(profile, minimum) would not hold it
+    assert "the optimizer's state (AdamW) 400 B" in message
+    assert "error.minimum_bytes" in message  # the profile holds the state: the retry does too
+    retried = gradckpt.solve(caught.value.profile, caught.value.minimum_bytes)
+    assert retried.predicted_peak_bytes == caught.value.minimum_bytes
 
 
 def plain_step(model: nn.Module, sample) -> tuple[int, dict]:
@@ -136,7 +141,7 @@ def test_retrying_from_the_error_measures_nothing_and_trains_identically(case: s
     model = build()
     before = parameters(model)
     with pytest.raises(BudgetError) as caught:
-        gradckpt.enable(model, sample, budget=1024)
+        gradckpt.enable(model, sample, budget=1024, optimizer="none")  # plain_step steps none
     error = caught.value
     assert_identical(parameters(model), before)  # left exactly as it was
     assert not any(module._forward_pre_hooks or module._forward_hooks
@@ -161,7 +166,7 @@ def test_a_logits_bound_language_model_says_so() -> None:
     pytest.importorskip("transformers")
     model = tiny_llama(layers=2, vocab_size=8192)
     with pytest.raises(BudgetError) as caught:
-        gradckpt.enable(model, causal_sample(8192, 2, 64), budget="60%")
+        gradckpt.enable(model, causal_sample(8192, 2, 64), budget="60%", optimizer="none")
     message = str(caught.value)
     assert "at the output head" in message
     listed = message.split("comes at the output head:")[1]

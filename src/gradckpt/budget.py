@@ -4,14 +4,19 @@ A budget is the peak memory of one training step (forward + backward) on the mod
 ``torch.cuda.max_memory_allocated()`` measures it on CUDA and MemTracker on CPU: the number a user
 compares with their GPU (README.md, "Usage"). ``parse_budget`` accepts:
 
-- an ``int``: bytes;
+- an ``int``: bytes (a ``float`` that is a whole number of bytes too);
 - a size with a unit, case-insensitive, with or without a space: binary ``"512MiB"``,
   ``"6GiB"``, ``"1.5 GiB"`` (KiB, MiB, GiB, TiB, PiB: powers of 1024), decimal ``"500MB"``,
-  ``"6GB"`` (KB, MB, GB, TB, PB: powers of 1000), or bytes ``"1024"`` / ``"1024B"``. A bare
-  ``"6G"`` is refused: tools disagree on whether it means 2^30 or 10^9;
+  ``"6GB"`` (KB, MB, GB, TB, PB: powers of 1000), or bytes ``"1024B"``;
 - a percentage ``"60%"``: that share of the step's peak without checkpointing, which only a
   profile knows (pass it as ``unconstrained_peak_bytes``);
-- ``"auto"``: as much as the device can give this step, described at ``available_bytes``.
+- ``"auto"``: as much as the device can give this step, described at ``available_bytes``; for a
+  profile estimated for another device, what that device has (``device_bytes``).
+
+Refused at once, before anything runs (``check_budget`` checks the form alone), with what was
+probably meant: a number in a string without a unit (``"60"``: did you mean ``"60%"`` or
+``"60GiB"``? bytes are ``"60B"`` or the int ``60``); a float between 0 and 1 (``0.6``: did you
+mean ``"60%"``?); and ``"6G"``, since tools disagree on whether it means 2^30 or 10^9.
 
 Example:
     >>> from gradckpt.budget import format_bytes, parse_budget
@@ -21,6 +26,10 @@ Example:
     600000
     >>> format_bytes(parse_budget("1.5 GiB"))
     '1.50 GiB'
+    >>> parse_budget("60")
+    Traceback (most recent call last):
+    ...
+    gradckpt.errors.UsageError: budget '60': a bare number is bytes; did you mean '60%' or ...
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ import torch
 
 from .errors import UsageError
 
-__all__ = ["parse_budget", "format_bytes", "available_bytes"]
+__all__ = ["parse_budget", "check_budget", "format_bytes", "rounded_up_budget",
+           "available_bytes"]
 
 _UNIT_BYTES = {
     "": 1,
@@ -59,6 +69,10 @@ _PERCENT_PATTERN = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))\s*%")
 
 _ACCEPTED_FORMS = "use bytes (int), '6GiB', '512MiB', '6GB', '500MB', '60%' or 'auto'"
 
+# Any peak will do to check a percentage's form: the real one is only known from a profile. A
+# small one (such as 1) would turn "60%" into 0 bytes, which parse_budget rightly refuses.
+_PEAK_FOR_FORM_CHECK_BYTES = 1 << 50
+
 # "auto" promises only this share of the memory a step could still get: the allocator loses some
 # to fragmentation (blocks cached but too small to reuse), which the GPU counts and
 # max_memory_allocated() does not.
@@ -74,6 +88,7 @@ def parse_budget(
     *,
     unconstrained_peak_bytes: int | None = None,
     device: torch.device | str | None = None,
+    device_bytes: int | None = None,
 ) -> int:
     """The budget in bytes, from any of the forms listed at the top of this module.
 
@@ -82,9 +97,13 @@ def parse_budget(
             ``"60%"``, or ``"auto"``.
         unconstrained_peak_bytes: the step's peak without checkpointing; needed by percentages.
         device: where the step runs, for ``"auto"``; see ``available_bytes``.
+        device_bytes: for ``"auto"`` on a device other than this machine's (a profile from
+            ``gradckpt.estimate``): what that device has for the step's peak, its
+            ``notes["device_usable_bytes"]``. Given, ``"auto"`` is this and ``device`` is not
+            read; ``gradckpt.solve`` passes it for every estimated profile.
 
-    Raises ``UsageError`` for anything else, for a negative budget or one of zero bytes, and
-    for a percentage outside (0, 100].
+    Raises ``UsageError`` for anything else, for a negative budget or one of zero bytes, for
+    a percentage outside (0, 100], and for the slips the module names (``"60"``, ``0.6``).
 
     Example:
         >>> parse_budget(2048), parse_budget("2 KiB"), parse_budget("2kb"), parse_budget("2048B")
@@ -93,16 +112,24 @@ def parse_budget(
         50
         >>> parse_budget("auto", device="cpu") > 0
         True
+        >>> parse_budget("auto", device_bytes=22 * 2**30) == 22 * 2**30  # an estimate's target
+        True
         >>> parse_budget("6 gigs")
         Traceback (most recent call last):
         ...
         gradckpt.errors.UsageError: budget '6 gigs' not understood; use bytes (int), '6GiB', ...
-    """
+        >>> parse_budget(0.6)
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: budget 0.6: a bare number is bytes, and 0.6 is less than one; did you mean '60%'?
+    """  # noqa: E501  (a doctest's output is one line)
     if isinstance(budget, bool):  # bool is an int subclass: True would otherwise mean 1 byte
         raise UsageError(f"budget {budget!r} is a bool, not a memory size; {_ACCEPTED_FORMS}")
     if isinstance(budget, numbers.Integral):
         return _positive(int(budget), given=budget)
     if isinstance(budget, float):
+        if 0 < budget < 1:  # a share written as a fraction, surely not a fraction of a byte
+            raise UsageError(_bare_number_message(budget, Decimal(repr(budget))))
         if not math.isfinite(budget) or not budget.is_integer():
             raise UsageError(f"budget {budget!r} is not a whole number of bytes; {_ACCEPTED_FORMS}")
         return _positive(int(budget), given=budget)
@@ -113,7 +140,12 @@ def parse_budget(
 
     text = budget.strip().lower()
     if text == "auto":
-        return available_bytes(device)
+        if device_bytes is None:
+            return available_bytes(device)
+        if isinstance(device_bytes, bool) or not isinstance(device_bytes, numbers.Integral):
+            raise UsageError(f"device_bytes must be an int (bytes the device has for the "
+                             f"step's peak) or None, got {device_bytes!r}")
+        return _positive(int(device_bytes), given=budget)
 
     percent_match = _PERCENT_PATTERN.fullmatch(text)
     if percent_match:
@@ -158,9 +190,33 @@ def parse_budget(
             except InvalidOperation:  # pragma: no cover - the pattern only lets numbers in
                 size = None
             if size is not None:
+                if not unit and size > 0:  # "60": bytes by the letter, a slip by the intent
+                    raise UsageError(_bare_number_message(budget, size))
                 return _positive(int(size), given=budget)
 
     raise UsageError(f"budget {budget!r} not understood; {_ACCEPTED_FORMS}")
+
+
+def check_budget(budget: int | str) -> None:
+    """Raise ``UsageError`` now if ``budget`` is not a budget ``parse_budget`` reads, before
+    anything slow runs: its form alone, with no profile and no device needed (``"auto"`` and
+    percentages pass; what they come to is known later).
+
+    Example:
+        >>> check_budget("6GiB"), check_budget("60%"), check_budget("auto"), check_budget(2**30)
+        (None, None, None, None)
+        >>> check_budget("150%")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: budget '150%': a percentage must be above 0% and at most ...
+        >>> check_budget("60")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: budget '60': a bare number is bytes; did you mean '60%' or ...
+    """
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        return  # read when the step's device is known: reading it now could start CUDA
+    parse_budget(budget, unconstrained_peak_bytes=_PEAK_FOR_FORM_CHECK_BYTES)
 
 
 def available_bytes(device: torch.device | str | None = None) -> int:
@@ -236,9 +292,67 @@ def format_bytes(n: int) -> str:
     return f"{sign}{value:.2f} {_BINARY_UNITS[exponent]}"
 
 
+def rounded_up_budget(n_bytes: int) -> str:
+    """A budget of at least ``n_bytes`` as a user types it: two decimals of the largest binary
+    unit it has one of, rounded up, so that planning again with it always works (what
+    ``gradckpt plan`` says to rerun with, after a ``BudgetError``'s ``minimum_bytes``).
+
+    ``parse_budget`` reads it back as at least ``n_bytes`` and at most a hundredth of its unit
+    more.
+
+    Example:
+        >>> rounded_up_budget(65_326_459_290)  # 62300.10 MiB is 60.84 GiB and a bit
+        '60.85GiB'
+        >>> rounded_up_budget(26_876_283), rounded_up_budget(2**20), rounded_up_budget(1000)
+        ('25.64MiB', '1.00MiB', '1000B')
+        >>> rounded_up_budget(2**30 - 1)  # 1023.999... MiB: not '1024.00MiB'
+        '1.00GiB'
+    """
+    if n_bytes < 1024:
+        return f"{max(int(n_bytes), 1)}B"
+    exponent = 1
+    while exponent < len(_BINARY_UNITS) - 1 and n_bytes >= 1024 ** (exponent + 1):
+        exponent += 1
+    hundredths = -(-int(n_bytes) * 100 // 1024**exponent)  # integers: rounded up exactly
+    if hundredths >= 1024 * 100 and exponent < len(_BINARY_UNITS) - 1:
+        exponent, hundredths = exponent + 1, 100  # 1024.00 of a unit is 1.00 of the next
+    return f"{hundredths // 100}.{hundredths % 100:02d}{_BINARY_UNITS[exponent]}"
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
+
+
+def _bare_number_message(given: float | str, value: Decimal) -> str:
+    """Why a unitless number in a string (or a float below 1) is refused, and what was meant.
+
+    Example:
+        >>> _bare_number_message("60", Decimal(60))
+        "budget '60': a bare number is bytes; did you mean '60%' or '60GiB'? (for 60 bytes write '60B' or pass the int 60)"
+        >>> _bare_number_message(0.6, Decimal("0.6"))
+        "budget 0.6: a bare number is bytes, and 0.6 is less than one; did you mean '60%'?"
+        >>> _bare_number_message("8000", Decimal(8000))
+        "budget '8000': a bare number is bytes; did you mean '8000MiB'? (for 8000 bytes write '8000B' or pass the int 8000)"
+        >>> _bare_number_message("6e9", Decimal("6e9"))
+        "budget '6e9': a bare number is bytes; write '6e9B' (5.59 GiB) or pass the int 6000000000"
+    """  # noqa: E501  (a doctest's output is one line)
+    written = given.strip() if isinstance(given, str) else repr(given)
+    if value < 1:  # a share written as a fraction
+        percent = f"{float(value * 100):g}"
+        return (f"budget {given!r}: a bare number is bytes, and {written} is less than one; "
+                f"did you mean '{percent}%'?")
+    whole = int(value)
+    if value >= 2**20:  # bytes, most likely: say how to write them
+        return (f"budget {given!r}: a bare number is bytes; write '{written}B' "
+                f"({format_bytes(whole)}) or pass the int {whole}")
+    # Up to 100: a share or GiB, what budgets of a GPU usually are; above: MiB.
+    meant = f"'{written}%' or '{written}GiB'" if value <= 100 else f"'{written}MiB'"
+    as_bytes = ""
+    if value == whole:
+        unit = "byte" if whole == 1 else "bytes"
+        as_bytes = f" (for {whole} {unit} write '{written}B' or pass the int {whole})"
+    return f"budget {given!r}: a bare number is bytes; did you mean {meant}?{as_bytes}"
 
 
 def _positive(size: int, *, given: object) -> int:

@@ -8,11 +8,11 @@ is one while working (exit status 1). Either is told as one line on stderr.
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import textwrap
 from collections.abc import Iterator
 
+from ..budget import rounded_up_budget
 from ..errors import BudgetError, close_matches, did_you_mean, either
 
 __all__ = [
@@ -58,10 +58,12 @@ def explained_for_the_command_line() -> Iterator[None]:
 
 
 def budget_at_least(n_bytes: int) -> str:
-    """A ``--budget`` of at least ``n_bytes``: MiB rounded up, so that it is never less.
+    """A ``--budget`` of at least ``n_bytes``, as a user types it: two decimals of the largest
+    binary unit it has one of, rounded up, so that rerunning with it always works
+    (``gradckpt.budget.rounded_up_budget``).
 
     Example:
-        >>> budget_at_least(26_876_283), budget_at_least(2**20)
-        ('25.64MiB', '1.00MiB')
+        >>> budget_at_least(26_876_283), budget_at_least(65_326_459_290)
+        ('25.64MiB', '60.85GiB')
     """
-    return f"{math.ceil(n_bytes * 100 / 2**20) / 100:.2f}MiB"
+    return rounded_up_budget(n_bytes)

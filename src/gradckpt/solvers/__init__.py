@@ -63,6 +63,9 @@ def solve(profile: Profile, budget: int | str | None = None, strategy: str = "op
         budget: the step's peak memory limit: int bytes or anything ``parse_budget`` reads
             (``"6GiB"``, ``"60%"`` of ``profile.peak_bytes``, ...); ``None`` (the default: no
             limit) only for the fixed strategies ``"none"``, ``"every-layer"`` and ``"sqrt"``.
+            ``"auto"`` is what the profile's device has for the step: for an estimate, its
+            target's ``notes["device_usable_bytes"]``; for a measured profile, what
+            ``profile.device`` has free on this machine now (``gradckpt.budget.available_bytes``).
         strategy: one of ``STRATEGIES``.
 
     Raises ``UsageError`` for an unknown strategy or a malformed budget, and ``BudgetError``
@@ -96,7 +99,11 @@ def solve(profile: Profile, budget: int | str | None = None, strategy: str = "op
             )
         budget_bytes = None
     else:
-        budget_bytes = parse_budget(budget, unconstrained_peak_bytes=profile.peak_bytes)
+        budget_bytes = parse_budget(
+            budget, unconstrained_peak_bytes=profile.peak_bytes, device=profile.device,
+            # An estimate's "auto" is its target's memory, not this machine's.
+            device_bytes=profile.notes.get("device_usable_bytes"),
+        )
 
     segments = STRATEGIES[strategy](profile, budget_bytes)
     plan = plan_for(profile, strategy, budget_bytes, segments)

@@ -2,11 +2,15 @@
 "raise the budget to at least ...".
 
 Checkpointing lowers one part of a step's memory, the activations kept for backward. When no
-plan fits, the rest of the step is what stands in the way: the parameters (and their gradients
-and optimizer state) held all step, or the output head's logits, which for a language model
-are often the largest item of all. So the explanation breaks down the least plan's peak,
-the moment it happens, into those parts, largest first, and names the levers that shrink the
-largest one.
+plan fits, the rest of the step is what stands in the way: what is held all step (the
+parameters, the optimizer's state, gradients accumulated between micro-batches), the output
+head's logits, which for a language model are often the largest item of all, or
+``optimizer.step()``, when every gradient exists beside the optimizer's state. So the
+explanation breaks down the least plan's peak, the moment it happens, into those parts,
+largest first, and names the levers that shrink the largest one: only those that apply to this
+step, as far as the profile tells (``Profile.notes``: the parameters' dtypes, how many of them
+train, the batch size, the optimizer, whether the loop holds the model's output); no "hold the
+weights in bf16" for weights in bf16 already, no "a smaller batch" at batch 1.
 
 Example:
     >>> from gradckpt.profile_types import BlockProfile, Profile
@@ -21,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import re
 import textwrap
+from dataclasses import dataclass
 
 from ..budget import format_bytes
 from ..cost import PHASES, phase_peaks
@@ -30,37 +36,15 @@ from ..profile_types import Profile
 
 __all__ = ["RETRY_WITHOUT_MEASURING", "budget_message", "explain_infeasible"]
 
-# What each part of the peak is, and what shrinks it when it is the largest part.
-_PARTS = {
-    "fixed": ("memory held all step (parameters, buffers, the batch)",
-              "train adapters on a frozen base (LoRA), hold the weights in bf16, or shard them "
-              "across GPUs (FSDP2; gradckpt.estimate(..., world_size=N) predicts one rank)"),
-    "frozen": ("memory held all step (parameters, buffers, the batch)",
-               "the weights are mostly frozen already: hold the frozen base in bf16 or 4-bit "
-               "(QLoRA), or shard it across GPUs (FSDP2; gradckpt.estimate(..., world_size=N) "
-               "predicts one rank)"),
-    "head": ("the logits, the loss and their gradient",
-             "compute the loss in chunks so that the whole logits never exist at once (a chunked "
-             "or fused cross-entropy), or use shorter sequences or a smaller batch; if your loop "
-             "drops the model's output before backward (the Hugging Face Trainer does), plan for "
-             "that: keep_output=False (gradckpt plan --drop-output)"),
-    "kept": ("activations kept for backward",
-             "use a smaller batch (accumulating gradients over several for the same effective "
-             "batch) or shorter sequences"),
-    "backward": ("activations, gradients and one block's working memory",
-                 "use a smaller batch (accumulating gradients over several for the same "
-                 "effective batch) or shorter sequences"),
-    "other": ("the step outside the blocks (the embedding's backward, with every gradient)",
-              "train adapters on a frozen base (LoRA) so fewer gradients exist, or shard the "
-              "parameters across GPUs (FSDP2)"),
-}
-
 _PHASE_WORDS = {
     "forward": "in the forward pass",
     "head": "at the output head",
     "backward": "in the backward pass",
     "other": "outside the checkpointed blocks",
+    "optimizer": "at optimizer.step()",
 }
+
+_SHARD = "shard them across GPUs (FSDP2; gradckpt.estimate(..., world_size=N) predicts one rank)"
 
 
 RETRY_WITHOUT_MEASURING = (
@@ -85,30 +69,217 @@ def budget_message(headline: str, explanation: str, after: str = "") -> str:
 
 def explain_infeasible(profile: Profile, least_segments: list[Segment]) -> str:
     """What the least plan's peak is made of, largest first, and what lowers the largest part
-    (see the module): one paragraph, unwrapped."""
+    (see the module): one paragraph, unwrapped.
+
+    Example: full fine-tuning in bf16 with AdamW, where ``optimizer.step()`` peaks highest
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0, gradient_bytes=250)
+        ...           for i in range(4)]
+        >>> profile = Profile(blocks, 6000, 5000, 12.0, optimizer_state_bytes=4000,
+        ...                   optimizer_step_bytes=1500, notes={
+        ...     "parameter_dtypes": {"torch.bfloat16": 1000}, "trainable_parameter_bytes": 1000,
+        ...     "optimizer": "AdamW", "batch_size": 1, "keep_output": False})
+        >>> print(textwrap.fill(explain_infeasible(profile, [Segment(0, 3)]), 88))
+        The least plan's peak, 6.35 KiB, comes at optimizer.step(): the optimizer's state
+        (AdamW) 3.91 KiB; every gradient and the optimizer's temporaries 1.46 KiB; the
+        parameters, buffers and batch 1000 B. Checkpointing lowers only the activations, and
+        none are alive then; to lower this peak, use an 8-bit optimizer (bitsandbytes'
+        AdamW8bit), one with less state (Adafactor) or none (SGD), train adapters on a frozen
+        base (LoRA) so that fewer gradients and less state exist, or shard the state across GPUs
+        (FSDP2; gradckpt.estimate(..., world_size=N) predicts one rank).
+    """
     phases = phase_peaks(profile, least_segments)
-    phase = max(PHASES, key=lambda name: phases[name])
-    parts = _parts_at_peak(profile, phases, phase)
-    listed = "; ".join(f"{_PARTS[kind][0]} {format_bytes(size)}" for kind, size in parts)
-    text = (
-        f"The least plan's peak, {format_bytes(profile.fixed_bytes + phases[phase])}, comes "
-        f"{_PHASE_WORDS[phase]}: {listed}. Checkpointing lowers "
-        f"only the activations; to lower the rest, {_PARTS[parts[0][0]][1]}."
-    )
-    return text
-
-
-def _parts_at_peak(profile: Profile, phases: dict[str, int], phase: str) -> list[tuple[str, int]]:
-    """The parts of the peak as (kind, bytes), largest first."""
-    trainable = profile.head_gradient_bytes + sum(block.gradient_bytes
-                                                  for block in profile.blocks)
-    # Gradients a tenth of what is held all step: a frozen base (LoRA), where "train
-    # adapters" is no advice.
-    parts = [("frozen" if 10 * trainable < profile.fixed_bytes else "fixed", profile.fixed_bytes)]
-    if phase == "head":
-        parts += [("head", profile.head_bytes), ("kept", phases["retained"])]
-    elif phase == "forward":
-        parts.append(("kept", phases[phase]))
+    phase = max(PHASES, key=lambda name: phases.get(name, 0))
+    step = _Step.of(profile)
+    parts = _parts_at_peak(profile, phases, phase, step)
+    listed = "; ".join(f"{label} {format_bytes(size)}" for _, label, size in parts)
+    lever = _lever(parts[0][0], step) if parts else "raise the budget"
+    if phase == "optimizer":  # no activation is alive then: no plan changes this moment
+        advice = (f"Checkpointing lowers only the activations, and none are alive then; to "
+                  f"lower this peak, {lever}.")
     else:
-        parts.append((phase, phases[phase]))
-    return sorted((part for part in parts if part[1] > 0), key=lambda part: -part[1])
+        advice = f"Checkpointing lowers only the activations; to lower the rest, {lever}."
+    return (f"The least plan's peak, {format_bytes(profile.fixed_bytes + phases[phase])}, comes "
+            f"{_PHASE_WORDS.get(phase, f'at {phase}')}: {listed}. {advice}")
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What the profile tells of the step around the chain, for the levers that apply to it.
+    ``None`` (or "wide") where the profile does not say (a hand-made one): every lever."""
+
+    frozen: bool  # most parameters do not train (LoRA on a frozen base)
+    precision: str  # the parameters' storage, by bytes: "wide" (32 bits+), "half", "low" (<= 8)
+    batch_size: int | None
+    keep_output: bool | None  # the loop holds the model's output until backward ends
+    optimizer: str | None
+    optimizer_state_bytes: int
+    accumulated_gradient_bytes: int
+    previous_output_bytes: int
+
+    @classmethod
+    def of(cls, profile: Profile) -> _Step:
+        notes = profile.notes
+        optimizer_state = int(getattr(profile, "optimizer_state_bytes", 0) or 0)
+        accumulated = int(getattr(profile, "accumulated_gradient_bytes", 0) or 0)
+        dtypes = notes.get("parameter_dtypes") or {}
+        parameter_bytes = sum(dtypes.values())
+        trainable = notes.get("trainable_parameter_bytes")
+        if parameter_bytes and trainable is not None:
+            frozen = 10 * trainable < parameter_bytes
+        else:  # gradients a tenth of what is held all step besides them: a frozen base
+            gradients = profile.head_gradient_bytes + sum(block.gradient_bytes
+                                                          for block in profile.blocks)
+            frozen = 10 * gradients < profile.fixed_bytes - optimizer_state - accumulated
+        batch_size = notes.get("batch_size")
+        keep_output = notes.get("keep_output")
+        return cls(
+            frozen=frozen,
+            precision=_precision(dtypes),
+            batch_size=batch_size if isinstance(batch_size, int) else None,
+            keep_output=keep_output if isinstance(keep_output, bool) else None,
+            optimizer=notes.get("optimizer") or None,
+            optimizer_state_bytes=optimizer_state,
+            accumulated_gradient_bytes=accumulated,
+            previous_output_bytes=int(getattr(profile, "previous_output_bytes", 0) or 0),
+        )
+
+    @property
+    def single_example(self) -> bool:
+        return self.batch_size == 1
+
+    @property
+    def eight_bit_optimizer(self) -> bool:
+        return bool(self.optimizer) and "8bit" in re.sub(r"[^a-z0-9]", "",
+                                                         str(self.optimizer).lower())
+
+
+def _precision(dtypes: dict[str, int]) -> str:
+    """How the parameters are stored, by bytes: "wide" (32 bits or more, or unknown), "half"
+    (bf16, fp16) or "low" (8 bits or fewer: int8, a 4-bit base packed in uint8, float8).
+
+    Example:
+        >>> _precision({"torch.bfloat16": 900, "torch.float32": 100}), _precision({})
+        ('half', 'wide')
+        >>> _precision({"torch.uint8": 500, "torch.bfloat16": 300, "torch.float32": 300})
+        'low'
+    """
+    by_kind = {"wide": 0, "half": 0, "low": 0}
+    for name, size in dtypes.items():
+        bits = re.search(r"(\d+)", str(name))
+        if bits is None:  # bool, or an alias str(dtype) does not write ("float", "half")
+            continue
+        width = int(bits.group(1))
+        kind = "wide" if width >= 32 else "half" if width == 16 else "low"
+        by_kind[kind] += size
+    return max(by_kind, key=lambda kind: by_kind[kind]) if any(by_kind.values()) else "wide"
+
+
+def _parts_at_peak(profile: Profile, phases: dict[str, int], phase: str, step: _Step
+                   ) -> list[tuple[str, str, int]]:
+    """The parts of the peak as (kind, label, bytes), largest first."""
+    optimizer_name = f" ({step.optimizer})" if step.optimizer else ""
+    state = min(step.optimizer_state_bytes, profile.fixed_bytes)
+    accumulated = min(step.accumulated_gradient_bytes, profile.fixed_bytes - state)
+    parts = [
+        ("optimizer_state", f"the optimizer's state{optimizer_name}", state),
+        ("accumulated", "gradients held between micro-batches", accumulated),
+        # With the state or gradients named apart, "held all step" would not tell the rest.
+        ("frozen" if step.frozen else "fixed",
+         "the parameters, buffers and batch" if state or accumulated
+         else "memory held all step (parameters, buffers, the batch)",
+         profile.fixed_bytes - state - accumulated),
+    ]
+    if phase == "head":
+        parts += [("head", "the logits, the loss and their gradient", profile.head_bytes),
+                  ("kept", "activations kept for backward", phases["retained"])]
+    elif phase == "forward":
+        previous = min(step.previous_output_bytes, phases["forward"])
+        parts += [("previous_output", "the previous step's output (alive until this step's "
+                   "replaces it)", previous),
+                  ("kept", "activations kept for backward", phases["forward"] - previous)]
+    elif phase == "backward":
+        parts.append(("backward", "activations, gradients and one block's working memory",
+                      phases[phase]))
+    elif phase == "optimizer":
+        held = "" if step.keep_output is False else ", the model's output your loop holds"
+        parts.append(("optimizer", f"every gradient{held} and the optimizer's temporaries",
+                      phases[phase]))
+    else:
+        parts.append((phase, "the step outside the blocks (the embedding's backward, with "
+                      "every gradient)", phases[phase]))
+    return sorted((part for part in parts if part[2] > 0), key=lambda part: -part[2])
+
+
+def _lever(kind: str, step: _Step) -> str:
+    """What shrinks the part ``kind`` of this step (see ``_parts_at_peak``), as a clause."""
+    smaller = ("use shorter sequences (the batch is 1 already)" if step.single_example else
+               "use a smaller batch (accumulating gradients over several for the same "
+               "effective batch) or shorter sequences")
+    if kind in ("kept", "backward"):
+        return smaller
+    if kind == "head":
+        shorter = ("or use shorter sequences (the batch is 1 already)" if step.single_example
+                   else "or use shorter sequences or a smaller batch")
+        lever = ("compute the loss in chunks so that the whole logits never exist at once (a "
+                 f"chunked or fused cross-entropy), {shorter}")
+        if step.keep_output is not False:  # a loop known to drop it already needs no telling
+            lever += ("; if your loop drops the model's output before backward (the Hugging "
+                      "Face Trainer does), plan for that: keep_output=False (gradckpt plan "
+                      "--drop-output)")
+        return lever
+    if kind == "previous_output":
+        return ("let go of the last step's output before the next forward (del out at the end "
+                "of each step), or drop it before backward and plan for that: "
+                "keep_output=False")
+    if kind == "frozen":
+        if step.precision == "low":
+            return f"the weights are mostly frozen already, in 8 bits or fewer: {_SHARD}"
+        base = "8-bit or 4-bit" if step.precision == "half" else "bf16 or 4-bit"
+        return (f"the weights are mostly frozen already: hold the frozen base in {base} "
+                f"(QLoRA), or {_SHARD.replace('them', 'it', 1)}")
+    if kind == "fixed":
+        if step.precision == "wide":
+            return f"train adapters on a frozen base (LoRA), hold the weights in bf16, or {_SHARD}"
+        with_base = (" with that base in 8-bit or 4-bit (QLoRA)" if step.precision == "half"
+                     else "")
+        return f"train adapters on a frozen base (LoRA){with_base}, or {_SHARD}"
+    if kind == "accumulated":
+        levers = [] if step.frozen else ["train adapters on a frozen base (LoRA) so that fewer "
+                                         "gradients exist"]
+        return _either([*levers, _SHARD.replace("them", "the gradients", 1)])
+    if kind in ("optimizer_state", "optimizer"):
+        levers = []
+        if step.optimizer_state_bytes:
+            levers.append(
+                "use an optimizer with less state (Adafactor) or none (SGD)"
+                if step.eight_bit_optimizer else
+                "use an 8-bit optimizer (bitsandbytes' AdamW8bit), one with less state "
+                "(Adafactor) or none (SGD)")
+        if not step.frozen:
+            levers.append("train adapters on a frozen base (LoRA) so that fewer gradients and "
+                          "less state exist")
+        if kind == "optimizer" and step.keep_output is not False and step.previous_output_bytes:
+            levers.append("let go of the model's output before optimizer.step() (del out "
+                          "after backward)")
+        what = ("the state" if kind == "optimizer_state" else
+                "the gradients and the optimizer's state" if step.optimizer_state_bytes
+                else "the gradients")
+        return _either([*levers, _SHARD.replace("them", what, 1)])
+    # "other": the embedding's backward, with every gradient
+    if step.frozen:
+        return "shard the parameters across GPUs (FSDP2)"
+    return ("train adapters on a frozen base (LoRA) so fewer gradients exist, or shard the "
+            "parameters across GPUs (FSDP2)")
+
+
+def _either(levers: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b, or c``.
+
+    Example:
+        >>> _either(["a"]), _either(["a", "b"]), _either(["a", "b", "c"])
+        ('a', 'a or b', 'a, b, or c')
+    """
+    if len(levers) < 3:
+        return " or ".join(levers)
+    return f"{', '.join(levers[:-1])}, or {levers[-1]}"
