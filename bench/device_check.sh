@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA checks that CI (no GPU) cannot run, as one script for a session that is lent a GPU
 # machine: the engine's CUDA tests (RNG replay on the device, offload through side streams,
-# max_memory_allocated lower with offload), then bench/engine.py and bench/frontier.py on the
-# GPU. Everything it prints is also written to $OUT (or ./device-check/) so the figures can be
-# copied into docs/.
+# max_memory_allocated lower with offload), the budget watch (gradckpt.budget_watch: a step
+# over its budget warns, one within does not; measured peaks against the plan's prediction
+# with AdamW), then bench/engine.py and bench/frontier.py on the GPU. Everything it prints is
+# also written to $OUT (or ./device-check/) so the figures can be copied into docs/.
 #
 #   bash bench/device_check.sh            # on the GPU machine, from the repository root
+#   bash bench/device_check.sh budget     # only the budget watch (about a minute)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-device-check}
@@ -16,7 +18,137 @@ python=${PYTHON:-python3}
 "$python" -m pip install --quiet --no-deps -e . 2>&1 | tail -1
 "$python" -m pip install --quiet pytest hypothesis 2>&1 | tail -1
 
+only=${1:-all}
 status=0
+
+# The budget watch (issue 22): TinyGPT planned with gradckpt.enable(..., budget=...) and
+# trained for a few steps. Within its budget no GradckptWarning; with 4x the sample's batch, or
+# with AdamW's state not given to enable, one warning naming the measured peak; with AdamW
+# given as enable(..., optimizer=opt), max_memory_allocated of steps 2+ against the prediction.
+budget_watch_check() {
+"$python" - <<'PY'
+import warnings
+
+import torch
+
+import gradckpt
+from gradckpt.budget import format_bytes
+from gradckpt.budget_watch import watch_budget, watch_of
+from gradckpt.errors import GradckptWarning, forget_warnings
+from gradckpt.models import GPTConfig, TinyGPT
+
+device = torch.device("cuda")
+config = GPTConfig(n_layer=6, n_embd=256, n_head=4, block_size=256, dropout=0.0)
+SAMPLE_BATCH = 8
+failures = 0
+
+
+def batch_of(size):
+    generator = torch.Generator().manual_seed(size)
+    idx = torch.randint(0, config.vocab_size, (size, config.block_size), generator=generator)
+    return {"idx": idx.to(device), "targets": idx.to(device)}
+
+
+def planned(optimizer_kind, give_optimizer, budget="70%"):
+    torch.manual_seed(0)
+    model = TinyGPT(config).to(device).train()
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer_kind == "adamw"
+                 else torch.optim.SGD(model.parameters(), lr=1e-3))  # no momentum: no state
+    if give_optimizer:
+        plan = gradckpt.enable(model, batch_of(SAMPLE_BATCH), budget=budget,
+                               optimizer=optimizer)
+    else:
+        plan = gradckpt.enable(model, batch_of(SAMPLE_BATCH), budget=budget)
+    by_apply = watch_of(model) is not None and watch_of(model).active
+    watch = watch_budget(model, plan, steps=4)  # replaces the one apply() installed, if any
+    return model, optimizer, plan, watch, by_apply
+
+
+def train(model, optimizer, batch, steps=5):
+    forget_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            loss = model(**batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.cuda.synchronize()
+    return [str(w.message) for w in caught
+            if issubclass(w.category, GradckptWarning) and "peaked at" in str(w.message)]
+
+
+def verdict(name, ok, detail):
+    global failures
+    failures += not ok
+    print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
+
+
+def describe(plan, watch):
+    peaks = ", ".join(format_bytes(p) for p in watch.measured_peaks)
+    return (f"budget {format_bytes(plan.budget_bytes)}, predicted "
+            f"{format_bytes(plan.predicted_peak_bytes)}, measured per step [{peaks}]")
+
+
+def planned_sgd():
+    try:  # SGD without momentum has no state, but its step is part of the step planned for
+        return planned("sgd", give_optimizer=True)
+    except TypeError:  # enable() without optimizer= yet
+        return planned("sgd", give_optimizer=False)
+
+
+model, optimizer, plan, watch, by_apply = planned_sgd()
+print(f"apply() installed a watch itself: {by_apply}")
+print(plan)
+warned = train(model, optimizer, batch_of(SAMPLE_BATCH))
+verdict("within budget, no warning", not warned and bool(watch.measured_peaks),
+        describe(plan, watch) + (f"; warned: {warned[0]}" if warned else ""))
+gradckpt.disable(model)
+del model, optimizer
+
+model, optimizer, plan, watch, _ = planned_sgd()
+warned = train(model, optimizer, batch_of(4 * SAMPLE_BATCH))
+verdict("4x the sample's batch, one warning", len(warned) == 1,
+        describe(plan, watch) + (f"; warned: {warned[0]}" if warned else "; no warning"))
+gradckpt.disable(model)
+del model, optimizer
+
+model, optimizer, plan, watch, _ = planned("adamw", give_optimizer=False)
+warned = train(model, optimizer, batch_of(SAMPLE_BATCH))
+print(f"INFO: AdamW not given to enable: {len(warned)} warning(s); " + describe(plan, watch))
+gradckpt.disable(model)
+del model, optimizer
+
+try:
+    model, optimizer, plan, watch, _ = planned("adamw", give_optimizer=True)
+except TypeError as error:  # enable() without optimizer= yet
+    print(f"SKIP: AdamW given to enable: {error}")
+else:
+    warned = train(model, optimizer, batch_of(SAMPLE_BATCH))
+    print("AdamW given as enable(..., optimizer=opt): max_memory_allocated per step vs the "
+          "plan's prediction")
+    for step, peak in enumerate(watch.measured_peaks, start=1):
+        print(f"  step {step}: measured {format_bytes(peak)}, predicted "
+              f"{format_bytes(plan.predicted_peak_bytes)} "
+              f"({peak / plan.predicted_peak_bytes - 1:+.2%}), budget "
+              f"{format_bytes(plan.budget_bytes)}")
+    steady = watch.measured_peaks[1:]
+    verdict("AdamW given to enable, steps 2+ within budget, no warning",
+            bool(steady) and not warned
+            and max(steady) <= plan.budget_bytes * (1 + watch.tolerance),
+            describe(plan, watch) + (f"; warned: {warned[0]}" if warned else ""))
+    gradckpt.disable(model)
+
+with gradckpt.peak_memory() as peak:
+    torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+verdict("gradckpt.peak_memory() on CUDA sees a 64 MiB tensor made inside",
+        peak.bytes - peak.start_bytes >= 64 * 2**20, repr(peak))
+raise SystemExit(1 if failures else 0)
+PY
+}
+budget_watch_check 2>&1 | tee "$out/budget_watch_cuda.txt" || status=1
+[ "$only" = budget ] && exit $status
+
 "$python" -m pytest -q -m cuda tests/ 2>&1 | tee "$out/cuda_tests.txt" || status=1
 "$python" bench/engine.py --device cuda --layers 12 --embd 1024 --heads 16 --batch 8 --seq 1024 \
     --rounds 20 2>&1 | tee "$out/engine_cuda.txt" || status=1

@@ -8,6 +8,8 @@
 - ``MemoryMeter``: bytes allocated on a device now and at their highest (the caching allocator
   on CUDA, MemTracker on CPU, models with frozen parameters included); ``measure_peak_bytes``
   runs one step under it. ``profile``, the tests and ``bench/`` all measure with it.
+- ``peak_memory``: the public ``with`` block around the user's own code (``peak.bytes``), on
+  the same meter.
 - ``infer_device``: the device a model, optimizer or batch lives on.
 - ``run_model``, ``loss_of``, ``training_step``: the user's step (how the model is called on a
   sample, its loss, what stays alive until backward ends).
@@ -26,6 +28,7 @@ from .blocks import find_blocks, resolve_blocks
 from .device import infer_device
 from .estimate import estimate
 from .meter import MemoryMeter, measure_peak_bytes
+from .peak import PeakMemory, peak_memory
 from .profile import profile
 from .step import loss_of, run_model, training_step
 
@@ -36,6 +39,8 @@ __all__ = [
     "resolve_blocks",
     "MemoryMeter",
     "measure_peak_bytes",
+    "peak_memory",
+    "PeakMemory",
     "infer_device",
     "run_model",
     "loss_of",
