@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradckpt
-from gradckpt.measure import measure_peak_bytes
+from gradckpt.measure import MemoryMeter, infer_device
 from gradckpt.measure.step import loss_of, run_model
+from gradckpt.measure.tensors import tensors_in
 
 SHARES = (0.7, 0.45)
 ALLOWANCE = 0.03
@@ -198,17 +199,24 @@ def _caches_off(model: nn.Module) -> None:
 
 
 def users_step(model: nn.Module, sample: Any, loss_fn: Any) -> tuple[int, list]:
-    """The measured peak of ``out = model(**batch); loss_of(out).backward()``, out held."""
-    model.zero_grad(set_to_none=True)
+    """The measured peak of a loop's second step, ``out = model(**batch);
+    loss_of(out).backward()``: ``out`` held through backward, and the first step's ``out``
+    until the second's forward returns (the loop rebinds it only then)."""
+    held: dict[str, Any] = {}
 
     def step() -> None:
         torch.manual_seed(3)  # dropout masks alike
-        output = run_model(model, sample)
-        loss_of(output, loss_fn).backward()
+        held["out"] = run_model(model, sample)  # the previous output is let go only now
+        loss_of(held["out"], loss_fn).backward()
 
+    step()  # the first step: its output is alive when the measured one starts
+    model.zero_grad(set_to_none=True)
     tensors = list(sample.values()) if isinstance(sample, dict) else [sample]
-    peak = measure_peak_bytes(step, model, *tensors)
-    return peak, [p.grad for p in model.parameters()]
+    tracked = [model, *tensors, *tensors_in(held["out"])]
+    with MemoryMeter(infer_device(model), *tracked) as meter:
+        tracked.clear()  # nothing here may keep the first output alive once the loop drops it
+        step()
+    return meter.peak(), [p.grad for p in model.parameters()]
 
 
 def fresh(case: Case) -> nn.Module:

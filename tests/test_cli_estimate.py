@@ -81,9 +81,11 @@ def test_the_estimate_json_holds_the_documented_keys(estimated):
     assert report["largest_part"] in report["memory_parts"]
     assert report["fits"] is True and plan.predicted_peak_bytes <= report["device_usable_bytes"]
     assert report["world_size"] == 1
-    # The optimizer's state is in every plan's peak: two fp32 moments per parameter.
+    # The optimizer's state is in every plan's peak: two fp32 moments per parameter, and
+    # AdamW's step counter per parameter tensor (4 bytes each).
     parameters = report["memory_parts"]["parameters"]
-    assert report["memory_parts"]["optimizer state (adamw)"] == 2 * parameters
+    counters = report["memory_parts"]["optimizer state (adamw)"] - 2 * parameters
+    assert 0 <= counters <= 4 * 1024, counters
 
 
 def test_list_shows_the_known_configs(capsys):
@@ -186,7 +188,7 @@ def test_a_measured_plan_names_the_optimizer_it_counts(capsys):
     assert main(["plan", "mlp-chain", "--batch", "1", "--seq", "2", "--strategy", "sqrt",
                  "--optimizer", "adamw", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "optimizer state (AdamW, predicted)" in out and "with AdamW's state" in out
+    assert "optimizer state (AdamW)" in out and "with AdamW's state" in out
 
 
 @pytest.mark.parametrize(
@@ -299,7 +301,9 @@ def test_llama_3_8b_on_8_ranks_keeps_an_eighth_of_its_parameters_per_rank(tmp_pa
     parts = rank["memory_parts"]
     assert parts[PARAMETERS] == whole_parameter_bytes // 8
     assert parts[GRADIENTS] == whole_parameter_bytes // 8
-    assert parts["optimizer state (adamw)"] == 2 * whole_parameter_bytes // 8  # two bf16 moments
+    # Two bf16 moments per parameter, and a 4-byte step counter per parameter tensor.
+    counters = parts["optimizer state (adamw)"] - 2 * whole_parameter_bytes // 8
+    assert 0 <= counters <= 4 * 1024, counters
     assert parts[GATHERED] > 0  # FSDP's buffers: sharding.py's model, tested there
     # Without checkpointing one process needs 107.86 GiB; sharded 8 ways, it fits an H100.
     assert rank["fits"] is True

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import gradckpt
-from gradckpt.measure import measure_peak_bytes
+from gradckpt.measure import MemoryMeter
+from gradckpt.measure.tensors import tensors_in
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,14 +42,15 @@ def causal_sample() -> dict:
 
 
 def users_step(model: nn.Module, sample: dict, keep_output: bool) -> tuple[int, dict]:
-    """The loop as users write it, keeping the output or (the Trainer) dropping it; its
-    measured peak and the gradients."""
-    model.zero_grad(set_to_none=True)
+    """The loop as users write it, keeping the output (``out = model(**batch)``: held through
+    backward, and until the next step's forward returns) or (the Trainer) dropping it; the
+    measured peak of its second step and the gradients."""
+    out: dict[str, object] = {}
 
     def keeps_the_output() -> None:
         torch.manual_seed(3)
-        output = model(**sample)
-        output.loss.backward()
+        out["out"] = model(**sample)  # the previous step's output is let go only now
+        out["out"].loss.backward()
 
     def drops_the_output() -> None:
         torch.manual_seed(3)
@@ -56,8 +58,13 @@ def users_step(model: nn.Module, sample: dict, keep_output: bool) -> tuple[int, 
         loss.backward()
 
     step = keeps_the_output if keep_output else drops_the_output
-    peak = measure_peak_bytes(step, model, *sample.values())
-    return peak, {name: p.grad for name, p in model.named_parameters()}
+    step()  # the first step
+    model.zero_grad(set_to_none=True)
+    tracked = [model, *sample.values(), *tensors_in(out.get("out"))]
+    with MemoryMeter("cpu", *tracked) as meter:
+        tracked.clear()  # the meter counts them; only the loop may keep the first output alive
+        step()
+    return meter.peak(), {name: p.grad for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("keep_output", [True, False], ids=["output-kept", "output-dropped"])

@@ -6,7 +6,7 @@ pipeline.
 """
 
 from . import integrations  # noqa: F401  (registers the built-in adapters)
-from .apply import apply, disable
+from .apply import apply, disable, get_plan
 from .enable import enable
 from .engine import (
     checkpoint,
@@ -16,7 +16,7 @@ from .engine import (
     uncheckpoint_module,
 )
 from .errors import BudgetError, CheckpointError, GradckptError, GradckptWarning, UsageError
-from .measure import find_blocks, profile
+from .measure import find_blocks, peak_memory, profile
 from .plan import Plan
 from .policies import Fate, offload_matmuls, save_matmuls
 from .profile_types import BlockProfile, Profile
@@ -44,8 +44,10 @@ __all__ = [
     "enable",
     "estimate",
     "find_blocks",
+    "get_plan",
     "is_checkpointed",
     "offload_matmuls",
+    "peak_memory",
     "profile",
     "save_matmuls",
     "solve",

@@ -12,24 +12,36 @@ before.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from torch import nn
 
 from .adapters import Occasion, adapt
+from .budget_watch import watch_budget
 from .engine import SegmentsHandle, checkpoint_segments
 from .errors import UsageError
 from .measure import resolve_blocks
 from .plan import Plan, Segment
 
-__all__ = ["apply", "disable"]
+__all__ = ["apply", "disable", "get_plan", "replacing_plan"]
 
-# What apply() installed on each model (the segments' hooks, and how to undo the adapters),
-# so that disable() and a second apply() can take it off.
-_installed: weakref.WeakKeyDictionary[
-    nn.Module, tuple[SegmentsHandle | None, Callable[[], None]]
-] = weakref.WeakKeyDictionary()
+
+class _Installed(NamedTuple):
+    """What ``apply`` installed on a model: the plan, the segments' hooks (None for a plan
+    without segments) and how to undo the adapters."""
+
+    plan: Plan
+    handle: SegmentsHandle | None
+    undo_adapters: Callable[[], None]
+    unwatch: Callable[[], None]
+
+
+# What apply() installed on each model, so that disable(), get_plan() and a second apply()
+# find it.
+_installed: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
 
 
 def apply(model: nn.Module, plan: Plan) -> None:
@@ -85,9 +97,16 @@ def apply(model: nn.Module, plan: Plan) -> None:
             policies=[s.policy for s in flat],
             names=names,
         )
-    # As the profile measured the step (recomputed layers would append to a key/value cache
-    # twice, for one), and so that the model's ecosystem knows (gradckpt.integrations.hf).
-    _installed[model] = (handle, adapt(model, Occasion(plan_applied=True, recomputes=bool(flat))))
+    try:
+        # As the profile measured the step (recomputed layers would append to a key/value
+        # cache twice, for one), and so that the model's ecosystem knows (integrations.hf).
+        undo_adapters = adapt(model, Occasion(plan_applied=True, recomputes=bool(flat)))
+    except BaseException:
+        if handle is not None:  # all or nothing: no hooks without their record
+            handle.remove()
+        raise
+    # On CUDA, the first training steps are checked against the budget (budget_watch).
+    _installed[model] = _Installed(plan, handle, undo_adapters, watch_budget(model, plan))
 
 
 def disable(model: nn.Module) -> None:
@@ -101,10 +120,65 @@ def disable(model: nn.Module) -> None:
         >>> gradckpt.disable(torch.nn.Linear(2, 2))
     """
     for planned in _planned_models_sharing(model):
-        handle, undo_adapters = _installed.pop(planned)
-        if handle is not None:
-            handle.remove()
-        undo_adapters()
+        installed = _installed.pop(planned)
+        if installed.handle is not None:
+            installed.handle.remove()
+        installed.undo_adapters()
+        installed.unwatch()
+
+
+def get_plan(model: nn.Module) -> Plan | None:
+    """The plan ``apply`` (or ``enable``) installed on ``model``, or None when it has none.
+
+    As for ``disable``, ``model`` may also be a wrapper of the planned model (PEFT's) or what
+    a planned wrapper unwraps to.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.plan import Plan, Segment
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> plan = Plan("sqrt", None, [Segment(0, 1)], 0, 0.0, 0.0, block_names=["0", "1"])
+        >>> gradckpt.apply(model, plan)
+        >>> gradckpt.get_plan(model) is plan
+        True
+        >>> gradckpt.disable(model)
+        >>> print(gradckpt.get_plan(model))
+        None
+    """
+    planned = _planned_models_sharing(model)
+    return _installed[planned[0]].plan if planned else None
+
+
+@contextlib.contextmanager
+def replacing_plan(model: nn.Module) -> Iterator[Plan | None]:
+    """Take ``model``'s plan off for the block (it runs as without gradckpt there); if the
+    block raises (``KeyboardInterrupt`` included), put that plan back before the error goes
+    on. Yields the plan that was on (None if none). What ``enable`` measures and applies in.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.plan import Plan, Segment
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> plan = Plan("sqrt", None, [Segment(0, 1)], 0, 0.0, 0.0, block_names=["0", "1"])
+        >>> gradckpt.apply(model, plan)
+        >>> try:
+        ...     with replacing_plan(model) as previous:
+        ...         raise RuntimeError("the new plan could not be made")
+        ... except RuntimeError:
+        ...     pass
+        >>> gradckpt.get_plan(model) is plan
+        True
+        >>> gradckpt.disable(model)
+    """
+    previous = get_plan(model)
+    disable(model)
+    try:
+        yield previous
+    except BaseException:
+        disable(model)  # whatever the block got to apply
+        if previous is not None:
+            apply(model, previous)
+        raise
 
 
 def _planned_models_sharing(model: nn.Module) -> list[nn.Module]:

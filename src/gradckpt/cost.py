@@ -35,7 +35,10 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   whatever the plan; so are those no block saves (``held_side_bytes``: T5's position bias),
   when the plan has any segment (segments keep them for recomputation); their gradients
   (``side_gradient_bytes``) count with the parameter gradients made before a block's backward;
-- and, whatever the plan, ``other_peak_bytes`` (the step outside the chain).
+- the previous step's output (``previous_output_bytes``: a loop's ``out = model(**batch)``
+  holds it until the model returns) on top of the chain's forward;
+- and, whatever the plan, ``other_peak_bytes`` (the step outside the chain) and
+  ``optimizer_step_bytes`` (``optimizer.step()``, with every gradient alive).
 
 Example:
     >>> from gradckpt.profile_types import BlockProfile, Profile
@@ -81,7 +84,7 @@ def plan_for(
 
 
 # The step's phases, in order; its peak is the highest of them.
-PHASES = ("forward", "head", "backward", "other")
+PHASES = ("forward", "head", "backward", "other", "optimizer")
 
 
 def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
@@ -93,17 +96,18 @@ def simulate(profile: Profile, segments: list[Segment]) -> tuple[int, float]:
 def phase_peaks(profile: Profile, segments: list[Segment]) -> dict[str, int]:
     """The highest memory above ``fixed_bytes`` in each phase of the step under a plan:
     ``"forward"`` (the chain's), ``"head"`` (output layer, loss and their backward),
-    ``"backward"`` (the chain's, recomputation included), ``"other"`` (outside the chain);
-    and ``"retained"``, what the chain keeps for backward when its forward ends (under
-    ``"head"``, the rest of that phase is ``Profile.head_bytes``). The step's peak is the
-    largest phase: what an infeasible budget's error explains.
+    ``"backward"`` (the chain's, recomputation included), ``"other"`` (outside the chain),
+    ``"optimizer"`` (``optimizer.step()``); and ``"retained"``, what the chain keeps for
+    backward when its forward ends (under ``"head"``, the rest of that phase is
+    ``Profile.head_bytes``). The step's peak is the largest phase: what an infeasible budget's
+    error explains.
 
     Example:
         >>> from gradckpt.profile_types import BlockProfile, Profile
         >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
         >>> profile = Profile(blocks, 1500, 1000, 12.0, head_bytes=300)
         >>> phase_peaks(profile, [Segment(0, 3)])
-        {'forward': 20, 'head': 310, 'backward': 210, 'other': 0, 'retained': 10}
+        {'forward': 20, 'head': 310, 'backward': 210, 'other': 0, 'optimizer': 0, 'retained': 10}
     """
     return _walk_step(profile, segments)[0]
 
@@ -118,8 +122,9 @@ def _walk_step(profile: Profile, segments: list[Segment]) -> tuple[dict[str, int
     retained, forward_peak, added = walk.forward(items, 0, profile.input_held(0), 0, top=True)
     head_peak = retained + profile.head_bytes
     backward_peak, _ = walk.backward(items, added, retained)
-    phases = dict(zip(PHASES, (forward_peak, head_peak, backward_peak,
-                               profile.other_peak_bytes), strict=True))
+    phases = dict(zip(PHASES, (forward_peak + profile.previous_output_bytes, head_peak,
+                               backward_peak, profile.other_peak_bytes,
+                               profile.optimizer_step_bytes), strict=True))
     return {**phases, "retained": retained}, walk.extra_seconds
 
 

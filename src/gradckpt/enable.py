@@ -1,29 +1,30 @@
 """The one-liner: measure the model, solve for the budget, apply the plan.
 
-``enable(model, sample, budget="6GiB")`` is ``profile`` → ``solve`` → ``apply``; it returns the
-plan, whose ``str`` and ``predicted_peak_bytes`` say what the step will cost before it runs.
+``enable(model, sample, budget="6GiB", optimizer=optimizer)`` is ``profile`` → ``solve`` →
+``apply``, for the steady state of the user's loop (the optimizer's state alive, its step's
+peak counted); it returns the plan, whose ``str`` and ``predicted_peak_bytes`` say what the
+step will cost before it runs. On a model that carries a plan, it measures the model without
+it and replaces it; when anything fails, the model keeps the plan it had.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .apply import apply
-from .budget import format_bytes, parse_budget
-from .errors import BudgetError
+from .apply import apply, replacing_plan
+from .budget import check_budget, format_bytes, parse_budget
+from .errors import UsageError, warn_once
 from .measure import infer_device, profile
+from .measure.optimizer_step import check_optimizer
 from .plan import Plan
-from .profile_types import Profile
 from .ranks import agreed_on_every_rank
-from .solvers import solve
-from .solvers.infeasible import budget_message
+from .solvers import STRATEGIES, solve
 
-__all__ = ["enable", "solve_reserving"]
+__all__ = ["enable"]
 
 
 def enable(
@@ -34,105 +35,97 @@ def enable(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: Any = None,
     *,
+    optimizer: torch.optim.Optimizer | str | None = None,
+    accumulation_steps: int = 1,
     keep_output: bool = True,
 ) -> Plan:
-    """Checkpoint ``model`` so that a training step on batches like ``sample`` fits ``budget``.
+    """Checkpoint ``model`` so that the training step on batches like ``sample`` fits ``budget``.
 
-    ``budget`` is the step's peak memory on the model's device: bytes, ``"6GiB"``, ``"60%"``
-    (of the peak without checkpointing) or ``"auto"`` (what the device has free). When the
-    model fits without checkpointing, the plan is empty and the model runs exactly as before.
-    A budget no plan meets raises ``gradckpt.BudgetError`` stating the smallest one that works.
-    The step is the one users write, the model's output held until backward ends; pass
-    ``keep_output=False`` for loops that drop it first (the Hugging Face Trainer).
+    Args:
+        model: the model, as it will be trained.
+        sample: one batch as the loop passes it (for a Hugging Face model, ``labels``
+            included), the largest the run will see.
+        budget: the peak memory of a whole training step on the model's device, everything
+            included (parameters, gradients, the optimizer's state, ``optimizer.step()``):
+            bytes (int), ``"6GiB"``, ``"6GB"``, ``"60%"`` (of that step's peak without
+            checkpointing) or ``"auto"`` (what the device has free).
+        strategy: ``"optimal"`` (default), ``"chen-greedy"``, ``"sqrt"``, ``"every-layer"``
+            or ``"none"``.
+        loss_fn, blocks: as for ``gradckpt.profile``.
+        optimizer: the optimizer the loop steps (an optimizer object: its real state; or a
+            name such as ``"adamw"``, ``"sgd"``, ``"adamw-8bit"``). Its state and its step's
+            peak are part of the step planned for. ``None`` with trainable parameters warns
+            once (the plan would leave out the state AdamW adds from step 2 on); pass
+            ``"none"`` for a loop without an optimizer step.
+        accumulation_steps: micro-batches per optimizer step; above 1 the gradients held
+            between micro-batches are counted.
+        keep_output: the loop holds the model's output until backward ends (``out =
+            model(**batch); out.loss.backward()``); ``False`` for loops that drop it first
+            (the Hugging Face Trainer).
+
+    Returns the plan applied. When the model fits without checkpointing the plan is empty and
+    the model runs exactly as before.
+
+    Raises:
+        gradckpt.BudgetError: no plan meets the budget; ``minimum_bytes`` is the smallest that
+            does and ``profile`` the measurement, to retry without measuring again.
+        gradckpt.UsageError: a malformed budget, an unknown strategy or optimizer (refused
+            before anything runs), a model without a chain of blocks, a sample it cannot run.
+
+    Calling it again (another budget, a re-run notebook cell) replaces the plan; after any
+    error the model is as it was, its earlier plan included.
 
     Example:
         >>> import torch, gradckpt
         >>> from gradckpt.models import GPTConfig, TinyGPT
-        >>> model = TinyGPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16))
-        >>> idx = torch.randint(0, 512, (2, 16))
-        >>> plan = gradckpt.enable(model, {"idx": idx, "targets": idx}, budget="85%")
+        >>> model = TinyGPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=64))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> idx = torch.randint(0, 512, (8, 64))
+        >>> plan = gradckpt.enable(model, {"idx": idx, "targets": idx}, budget="70%",
+        ...                        optimizer=optimizer)
         >>> plan.predicted_peak_bytes <= plan.budget_bytes
         True
         >>> gradckpt.disable(model)
     """
-    measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output)
-    plan = solve_reserving(measured, budget, strategy, device=infer_device(model))
-    apply(model, plan)
+    if budget is not None:  # None: the fixed strategies' plan, whatever it costs
+        check_budget(budget)
+    if strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {strategy!r}; valid strategies: "
+                         f"{', '.join(STRATEGIES)}")
+    if optimizer is None:
+        _warn_without_optimizer(model)
+    optimizer = check_optimizer(optimizer)  # "none": no optimizer step, and no warning
+    # Measured as the model is without a plan; any plan it had comes back if anything fails.
+    with replacing_plan(model):
+        measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks, optimizer=optimizer,
+                           accumulation_steps=accumulation_steps, keep_output=keep_output)
+        device = infer_device(model)
+        plan = agreed_on_every_rank(lambda: solve(
+            measured, _budget_bytes(budget, measured.peak_bytes, device), strategy))
+        apply(model, plan)
     return plan
 
 
-def solve_reserving(
-    measured: Profile,
-    budget: int | str | None,
-    strategy: str = "optimal",
-    *,
-    reserved_bytes: int = 0,
-    reserved_for: str = "memory held outside the step",
-    device: torch.device | str | None = None,
-) -> Plan:
-    """Solve for ``budget`` when the step also holds ``reserved_bytes`` all along (an
-    optimizer's state, accumulated gradients: ``gradckpt.reserved``), which the profile's
-    step did not.
-
-    ``budget`` is for everything, as the user compares it with the GPU; the solver gets it less
-    ``reserved_bytes``, and the plan's predicted peak and budget include them again. A
-    percentage is of the peak without checkpointing, the reserved memory included. A budget
-    too small says the smallest that works, ``reserved_for`` naming what was added.
-
-    Under ``torch.distributed`` with several ranks, rank 0 solves and every rank gets its plan
-    (or its error): one plan for all ranks (``gradckpt.ranks``).
-
-    Example:
-        >>> from gradckpt.profile_types import BlockProfile
-        >>> from gradckpt.cli.sqrt_table import homogeneous_chain
-        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 16)
-        >>> plan = solve_reserving(chain, "80%", reserved_bytes=200, reserved_for="Adam's state")
-        >>> plan.predicted_peak_bytes <= plan.budget_bytes == int(0.8 * (chain.peak_bytes + 200))
-        True
-        >>> solve_reserving(chain, "100B", reserved_bytes=200, reserved_for="Adam's state")
-        Traceback (most recent call last):
-        ...
-        gradckpt.errors.BudgetError: budget 100 B does not even hold Adam's state, 200 B; ...
-    """
-    return agreed_on_every_rank(lambda: _solve_reserving(
-        measured, budget, strategy, reserved_bytes, reserved_for, device))
-
-
-def _solve_reserving(
-    measured: Profile, budget: int | str | None, strategy: str, reserved_bytes: int,
-    reserved_for: str, device: torch.device | str | None,
-) -> Plan:
+def _budget_bytes(budget: int | str | None, peak_bytes: int, device: torch.device) -> int | None:
+    """The budget in bytes: a percentage of the measured step's peak, "auto" on its device."""
     if budget is None:
-        return solve(measured, None, strategy)
-    budget_bytes = parse_budget(
-        budget, unconstrained_peak_bytes=measured.peak_bytes + reserved_bytes, device=device
-    )
-    if not reserved_bytes:
-        return solve(measured, budget_bytes, strategy)
-    if budget_bytes <= reserved_bytes:
-        raise BudgetError(
-            f"budget {format_bytes(budget_bytes)} does not even hold {reserved_for}, "
-            f"{format_bytes(reserved_bytes)}; raise the budget",
-            minimum_bytes=reserved_bytes + 1,
-            profile=measured,
-        )
-    try:
-        plan = solve(measured, budget_bytes - reserved_bytes, strategy)
-    except BudgetError as error:
-        minimum = error.minimum_bytes + reserved_bytes
-        # The solver's least plan is the least here too: the reserved memory only adds to it.
-        explanation = f"{error.explanation} {reserved_for} comes on top of that peak."
-        raise BudgetError(
-            budget_message(
-                f"budget {format_bytes(budget_bytes)} is below the smallest peak {strategy} "
-                f"reaches with {reserved_for} ({format_bytes(reserved_bytes)}) counted, "
-                f"{format_bytes(minimum)}; raise the budget to at least that.", explanation),
-            minimum_bytes=minimum,
-            profile=measured,
-            explanation=explanation,
-        ) from None
-    return dataclasses.replace(
-        plan,
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=plan.predicted_peak_bytes + reserved_bytes,
+        return None
+    return parse_budget(budget, unconstrained_peak_bytes=peak_bytes, device=device)
+
+
+def _warn_without_optimizer(model: nn.Module) -> None:
+    """Warn once that the plan leaves out an optimizer's state, naming AdamW's size."""
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    adamw_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)
+    if not adamw_bytes:
+        return
+    warn_once(
+        "enable-without-optimizer",
+        f"gradckpt.enable() got no optimizer=, so the plan is for forward and backward only; "
+        f"from the second step on an optimizer's state is alive too (AdamW's: "
+        f"{format_bytes(adamw_bytes)} for this model's trainable parameters) and the step "
+        f"would go over the budget. Pass the optimizer the loop steps: enable(model, sample, "
+        f"budget, optimizer=optimizer) (or a name such as 'adamw'), or optimizer='none' for a "
+        f"loop without an optimizer step.",
+        stacklevel=4,  # the user's call of enable
     )

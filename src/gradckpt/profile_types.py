@@ -174,10 +174,14 @@ class BlockProfile:
 class Profile:
     """A model's chain of blocks plus the step around it.
 
-    - ``peak_bytes``: the measured peak memory of one training step without checkpointing.
+    - ``peak_bytes``: the peak memory of one training step without checkpointing, in the
+      steady state of the loop (from step 2 on: the optimizer's state exists, and with
+      accumulation the earlier micro-batches' gradients): what a percentage budget is of.
     - ``fixed_bytes``: what is allocated throughout the step whatever the plan: parameters,
-      buffers, the inputs (and gradients or optimizer state kept from an earlier step). A
-      plan's predicted peak is this plus the peak ``gradckpt.cost.simulate`` finds above it.
+      buffers, the inputs, the optimizer's state (``optimizer_state_bytes``) and, with
+      gradient accumulation, the gradients held between micro-batches
+      (``accumulated_gradient_bytes``). A plan's predicted peak is this plus the peak
+      ``gradckpt.cost.simulate`` finds above it.
     - ``step_seconds``: the measured time of one training step without checkpointing.
     - ``head_bytes``: the most memory the part of the step after the chain (output head, loss
       and their backward, up to the chain's output gradient) holds above ``fixed_bytes`` and
@@ -193,6 +197,18 @@ class Profile:
     - ``chain_input_fixed``: the first block's input is a tensor of the sample (a CNN's
       images), counted in ``fixed_bytes``: the chain retains nothing more for it, whether the
       first block saves it or a segment starting there keeps it (``input_held(0)``).
+    - ``optimizer_state_bytes``: the optimizer's state (Adam's two moments per trainable
+      parameter), alive from the first ``optimizer.step()`` on; part of ``fixed_bytes``.
+    - ``accumulated_gradient_bytes``: with gradient accumulation, the gradients the earlier
+      micro-batches leave alive through each later one (an upper bound: counted all step,
+      though the measured step also makes them); part of ``fixed_bytes``.
+    - ``optimizer_step_bytes``: the highest point of ``optimizer.step()`` above
+      ``fixed_bytes``: every gradient, the output the loop still holds, and the optimizer's
+      own temporaries (measured by running the optimizer on fake copies of the parameters).
+      Plans do not change it. 0: no optimizer step planned.
+    - ``previous_output_bytes``: the previous step's output, which a loop writing
+      ``out = model(**batch)`` holds until the model returns the next one: alive through
+      the chain's forward and the head's (0 with ``keep_output=False``).
     """
 
     blocks: list[BlockProfile]
@@ -206,6 +222,10 @@ class Profile:
     other_peak_bytes: int = 0
     chain_breaks: list[int] = field(default_factory=list)
     chain_input_fixed: bool = False
+    optimizer_state_bytes: int = 0
+    accumulated_gradient_bytes: int = 0
+    optimizer_step_bytes: int = 0
+    previous_output_bytes: int = 0
 
     def segment_end_limit(self, start: int) -> int:
         """The last block a segment starting at block ``start`` may reach: the one before the
@@ -269,7 +289,9 @@ class Profile:
             ...
             gradckpt.errors.UsageError: block h.0: saved_bytes (50) is below input_bytes (100) ...
         """
-        for name in ("head_bytes", "head_gradient_bytes", "other_peak_bytes"):
+        for name in ("head_bytes", "head_gradient_bytes", "other_peak_bytes",
+                     "optimizer_state_bytes", "accumulated_gradient_bytes",
+                     "optimizer_step_bytes", "previous_output_bytes"):
             if getattr(self, name) < 0:
                 raise UsageError(f"profile {name} is negative ({getattr(self, name)}); fix the "
                                  "profile or re-measure it with gradckpt.profile")

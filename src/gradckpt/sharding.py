@@ -72,7 +72,8 @@ def estimate(
     blocks: Any = None,
     *,
     device: str | DeviceSpec | dict | None = "this",
-    optimizer: str | None = None,
+    optimizer: torch.optim.Optimizer | str | None = None,
+    accumulation_steps: int = 1,
     world_size: int = 1,
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
@@ -103,7 +104,8 @@ def estimate(
         raise UsageError(f"world_size must be a positive int (the ranks sharding the model), "
                          f"got {world_size!r}")
     predicted = estimate_one_process(
-        model, sample, loss_fn, blocks, device=device, optimizer=optimizer, dtype=dtype,
+        model, sample, loss_fn, blocks, device=device, optimizer=optimizer,
+        accumulation_steps=accumulation_steps, dtype=dtype,
         autocast=autocast, keep_output=keep_output, progress=progress,
     )
     if world_size == 1:
@@ -136,7 +138,6 @@ def shard(predicted: Profile, world_size: int) -> Profile:
     parts = dict(predicted.notes["memory_parts"])
     keep = 1 / world_size
     parameter_bytes = parts.get(PARAMETERS, 0)
-    optimizer_bytes = parts.get(OPTIMIZER_STATE, 0)
     gathered = _gathered_per_block(predicted)
     gradients = [block.gradient_bytes for block in predicted.blocks]
     # The root holds the rest: its parameters stay gathered from its forward to its
@@ -152,14 +153,22 @@ def shard(predicted: Profile, world_size: int) -> Profile:
     )
     if root:
         parts[ROOT] = root + root_gradients
-    # What the one-process step started with: ``estimate`` adds the optimizer's state to
-    # ``fixed_bytes`` after measuring the step, and the step's phase peaks are absolute.
-    start = predicted.fixed_bytes - optimizer_bytes
+    # What the one-process step started with: ``fixed_bytes`` counts the optimizer's state and
+    # accumulated gradients besides it, and the step's phase peaks are absolute.
+    accumulated = predicted.accumulated_gradient_bytes
+    start = predicted.fixed_bytes - predicted.optimizer_state_bytes - accumulated
+    # optimizer.step() runs on each rank's shards; the output the loop holds is the rank's own.
+    held_output = predicted.previous_output_bytes
     sharded = dataclasses.replace(
         predicted,
         blocks=_sharded_blocks(predicted.blocks, gathered, keep),
-        fixed_bytes=predicted.fixed_bytes - int((1 - keep) * (parameter_bytes + optimizer_bytes))
+        fixed_bytes=predicted.fixed_bytes
+        - int((1 - keep) * (parameter_bytes + predicted.optimizer_state_bytes + accumulated))
         + root,
+        optimizer_state_bytes=int(predicted.optimizer_state_bytes * keep),
+        accumulated_gradient_bytes=int(accumulated * keep),
+        optimizer_step_bytes=int(max(0, predicted.optimizer_step_bytes - held_output) * keep)
+        + min(held_output, predicted.optimizer_step_bytes),
         # The last block's all-gather buffer: alive through the head's forward (freed when the
         # root's forward ends), then gathered again in its backward (the root prefetches it).
         head_bytes=predicted.head_bytes + (gathered[-1] if gathered else 0),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CommandLineError, explained_for_the_command_line
 from .frontier import plot_plan
-from .memory_parts import retained_activation_bytes
+from .memory_parts import retained_activation_bytes, without_optimizer_note
 from .model_lookup import resolve_model
 from .progress import progress_bar, stage
 
@@ -94,11 +94,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             target.model, target.sample, device=spec, optimizer=optimizer, dtype=dtype,
             keep_output=not args.drop_output, world_size=args.world_size, progress=report,
         )
-    usable_bytes = profile.notes["device_usable_bytes"]
-    # "auto" is what the target has for the peak, not what this machine has free.
-    budget = usable_bytes if str(args.budget).strip().lower() == "auto" else args.budget
-    with explained_for_the_command_line():
-        plan = gradckpt.solve(profile, budget, args.strategy)
+    with explained_for_the_command_line():  # "auto": the target's memory (solve reads it)
+        plan = gradckpt.solve(profile, args.budget, args.strategy)
     parts = plan_memory_parts(profile, plan, args.optimizer)
     largest = max(parts, key=parts.get)
     world_size = profile.notes.get("world_size", 1)
@@ -119,6 +116,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         f"predicted, not measured: peak without checkpointing {format_bytes(profile.peak_bytes)}"
         f"{per_rank}{held}; step {profile.step_seconds:.3g} s (roofline)"
     )
+    note = without_optimizer_note(target.model, optimizer)
+    if note:
+        print(note)
     print()
     print(plan)
     print()
@@ -253,8 +253,8 @@ def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
         least_bytes = error.minimum_bytes
     if least_bytes <= usable_bytes:
         advice = (
-            f"a plan does fit: --budget {format_bytes(usable_bytes).replace(' ', '')} (the least "
-            f"any plan reaches is {format_bytes(least_bytes)})"
+            f"a plan does fit: --budget auto (the {format_bytes(usable_bytes)} usable; the "
+            f"least any plan reaches is {format_bytes(least_bytes)})"
         )
     else:
         advice = (

@@ -12,7 +12,32 @@ if TYPE_CHECKING:
     from gradckpt.profile_types import Profile
     from gradckpt.report import MemoryParts
 
-__all__ = ["memory_parts", "retained_activation_bytes"]
+__all__ = ["memory_parts", "retained_activation_bytes", "without_optimizer_note"]
+
+
+def without_optimizer_note(model: nn.Module, optimizer: str | None) -> str | None:
+    """With ``--optimizer none`` and parameters to train, the line saying what the plan leaves
+    out: the state AdamW would add from the second step on. None otherwise.
+
+    Example:
+        >>> import torch
+        >>> print(without_optimizer_note(torch.nn.Linear(4, 4), None))  # 20 fp32 parameters
+        no optimizer counted (--optimizer none): a loop stepping AdamW holds 160 B more from its
+        second step on; --optimizer adamw plans for that
+        >>> without_optimizer_note(torch.nn.Linear(4, 4), "adamw") is None
+        True
+    """
+    from gradckpt.budget import format_bytes
+
+    if optimizer is not None:
+        return None
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    adamw_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)
+    if not adamw_bytes:
+        return None
+    return (f"no optimizer counted (--optimizer none): a loop stepping AdamW holds "
+            f"{format_bytes(adamw_bytes)} more from its\nsecond step on; --optimizer adamw "
+            "plans for that")
 
 
 def memory_parts(
@@ -50,8 +75,8 @@ def memory_parts(
     if head_bytes:
         parts.append(("logits and loss (the output head)", head_bytes))
     if optimizer_bytes:
-        parts.append((f"optimizer state ({optimizer_name}, predicted)", optimizer_bytes))
-    # The plan's predicted peak counts the optimizer's state (enable.solve_reserving).
+        parts.append((f"optimizer state ({optimizer_name})", optimizer_bytes))
+    # The plan's predicted peak counts the optimizer's state (in the profile's fixed_bytes).
     rest = plan.predicted_peak_bytes - parameter_bytes - gradient_bytes - activation_bytes
     rest -= head_bytes + optimizer_bytes
     if rest > 0:

@@ -14,7 +14,7 @@ from .errors import CommandLineError, explained_for_the_command_line
 from .estimate import run_estimate, target_device
 from .frontier import plot_plan
 from .known_configs import KNOWN_CONFIGS, known_config_rows
-from .memory_parts import memory_parts
+from .memory_parts import memory_parts, without_optimizer_note
 from .model_lookup import check_measurable, check_model_name, resolve_model
 from .profiling import profile_with_bar
 from .progress import stage
@@ -40,10 +40,9 @@ def run_plan(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from gradckpt.budget import format_bytes
-    from gradckpt.enable import solve_reserving
+    from gradckpt.budget import format_bytes, parse_budget
     from gradckpt.report import memory_breakdown_table
-    from gradckpt.reserved import optimizer_state_bytes
+    from gradckpt.solvers import solve
 
     if args.list:
         print(model_list())
@@ -60,15 +59,17 @@ def run_plan(args: argparse.Namespace) -> int:
     model = target.model.to(device).train()
     sample = to_device(target.sample, device)
     stage("profiling one training step and each block")
-    profile = profile_with_bar(model, sample, keep_output=not args.drop_output)
     optimizer = None if args.optimizer == "none" else args.optimizer
     optimizer_name = _OPTIMIZER_NAMES.get(args.optimizer, args.optimizer)
-    optimizer_bytes = optimizer_state_bytes(optimizer, model)
+    profile = profile_with_bar(model, sample, keep_output=not args.drop_output,
+                               optimizer=optimizer)
+    optimizer_bytes = profile.optimizer_state_bytes
     with explained_for_the_command_line():
-        plan = solve_reserving(
-            profile, args.budget, args.strategy, reserved_bytes=optimizer_bytes,
-            reserved_for=f"{optimizer_name}'s state", device=device,
-        )
+        budget = args.budget
+        if budget is not None:  # a percentage of the whole step, "auto" on this device
+            budget = parse_budget(budget, unconstrained_peak_bytes=profile.peak_bytes,
+                                  device=device)
+        plan = solve(profile, budget, args.strategy)
 
     names = [block.name for block in profile.blocks]
     print(
@@ -81,10 +82,15 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print()
     print(plan)
-    if optimizer_bytes:
+    note = without_optimizer_note(model, optimizer)
+    if note:
+        print(note)
+    if optimizer is not None:
         print(
-            f"with {optimizer_name}'s state ({format_bytes(optimizer_bytes)}, predicted), "
-            "counted in the predicted peak and the budget"
+            f"with {optimizer_name}'s state ({format_bytes(optimizer_bytes)}, measured) and "
+            f"optimizer.step() (its peak "
+            f"{format_bytes(profile.fixed_bytes + profile.optimizer_step_bytes)}), counted in "
+            "the predicted peak and the budget"
         )
     print()
     print(memory_breakdown_table(memory_parts(model, profile, plan, optimizer_bytes,
@@ -100,7 +106,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _check_plan_arguments(args: argparse.Namespace) -> None:
     """What can be wrong with the command line itself, found before any slow work."""
-    from gradckpt.budget import parse_budget
+    from gradckpt.budget import check_budget
     from gradckpt.errors import UsageError
     from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES
 
@@ -131,7 +137,7 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
         )
     if args.budget is not None:
         try:  # the form only: a percentage's base is known once the model is profiled
-            parse_budget(args.budget, unconstrained_peak_bytes=1 << 40, device="cpu")
+            check_budget(args.budget)
         except UsageError as error:
             raise CommandLineError(f"--budget: {error}") from None
     if args.estimate:

@@ -1,9 +1,9 @@
 """Hugging Face ``Trainer``: ``GradckptCallback`` plans and applies gradckpt when training begins.
 
-The callback measures the model on one batch of the run (``gradckpt.profile``), solves for the
-budget with the optimizer's state and accumulated gradients set aside (``gradckpt.reserved``),
-applies the plan and logs it, all in ``on_train_begin``: after the Trainer has built its
-optimizer and data loader, before the first step.
+The callback measures the model on one batch of the run (``gradckpt.profile``, with the
+Trainer's optimizer and gradient accumulation: the steady-state step, as ``gradckpt.enable``
+plans it), solves for the budget, applies the plan and says so, all in ``on_train_begin``:
+after the Trainer has built its optimizer and data loader, before the first step.
 
 This module imports Transformers at the top: it is only imported when a user asks for the
 callback (``gradckpt`` itself imports ``integrations.hf``, which does not need Transformers).
@@ -24,23 +24,19 @@ import transformers
 from torch import nn
 
 from ..apply import apply
-from ..budget import format_bytes, parse_budget
-from ..enable import solve_reserving
-from ..errors import UsageError
+from ..budget import check_budget, format_bytes, parse_budget, rounded_up_budget
+from ..budget_watch import watch_of
+from ..errors import BudgetError, UsageError
 from ..measure import infer_device, profile
 from ..plan import Plan
 from ..profile_types import Profile
-from ..reserved import accumulated_gradient_bytes, optimizer_state_bytes
-from ..solvers import BUDGET_DRIVEN, STRATEGIES
+from ..ranks import agreed_on_every_rank
+from ..solvers import BUDGET_DRIVEN, STRATEGIES, solve
 
 __all__ = ["GradckptCallback"]
 
 logger = logging.getLogger("gradckpt")
 
-# Any large number will do: a percentage is checked for its syntax at construction, and the
-# real peak it is a share of is only known once the model is profiled. A small one (such as 1)
-# would turn "60%" into 0 bytes, which parse_budget rightly refuses.
-_PEAK_FOR_SYNTAX_CHECK_BYTES = 1 << 50
 
 # The value each padded position gets, by batch key; any other integer tensor gets 0.
 _LABEL_PAD_ID = -100  # what Transformers' losses ignore
@@ -80,14 +76,20 @@ class GradckptCallback(transformers.TrainerCallback):
        they are. A ``sample`` passed here is used as given, padded only to a ``max_length``
        passed here. With a data loader whose iteration cannot be repeated (a stream read once),
        pass ``sample=``;
-    2. counts the memory the step holds besides what one forward and backward allocate: the
-       optimizer's state (the Trainer's optimizer; its ``args.optim`` when it has none yet) and,
-       with ``gradient_accumulation_steps`` above 1, the accumulated gradients;
-    3. profiles the model in training mode on that batch with the model's output dropped before
-       backward, as the Trainer's ``compute_loss`` does; solves for the budget, the reserved
-       memory included; applies the plan;
-    4. logs the plan once on the ``"gradckpt"`` logger at INFO, and keeps it as ``self.plan``
-       (the profile as ``self.profile``, the reserved bytes as ``self.reserved_bytes``).
+    2. profiles the model in training mode on that batch, for the step the Trainer runs once
+       it is under way: the model's output dropped before backward (as its ``compute_loss``
+       does), the optimizer's state alive and ``optimizer.step()``'s peak (the Trainer's
+       optimizer; its ``args.optim`` when it has none yet) and, with
+       ``gradient_accumulation_steps`` above 1, the gradients held between micro-batches; a
+       percentage budget is of that whole step's peak; solves for the budget and applies the
+       plan;
+    3. says what it applied in one line on the ``"gradckpt"`` logger at WARNING, which Python
+       shows by default (blocks recomputed, predicted peak, budget; the plan's table at INFO),
+       and keeps the plan as ``self.plan`` (the profile as ``self.profile``, the optimizer's
+       state and accumulated gradients it counted as ``self.reserved_bytes``);
+    4. on a GPU, after the first steps, logs their measured peak against the prediction and
+       the budget (``self.measured_peak_bytes``; a step over the budget also warns, as every
+       applied plan does on CUDA).
 
     It plans once: a second ``trainer.train()`` with the same callback keeps the plan, without
     profiling again (make a new callback to plan again). The plan stays applied when training
@@ -145,6 +147,7 @@ class GradckptCallback(transformers.TrainerCallback):
         self.plan: Plan | None = None
         self.profile: Profile | None = None
         self.reserved_bytes: int | None = None
+        self.measured_peak_bytes: int | None = None
 
     def on_train_begin(
         self,
@@ -167,47 +170,71 @@ class GradckptCallback(transformers.TrainerCallback):
         device = infer_device(model)
         sample = self._sample(model, train_dataloader, processing_class, device)
 
-        optimizer_bytes = optimizer_state_bytes(_optimizer_for(optimizer, args), model)
-        gradient_bytes = accumulated_gradient_bytes(model, args.gradient_accumulation_steps)
-        reserved_bytes = optimizer_bytes + gradient_bytes
-
         # Nothing is applied until solving has succeeded, so a UsageError from profile (no
         # blocks found) or a BudgetError leaves the model as it was.
         with _training_mode(model):
             try:
                 measured = profile(
-                    model, sample, loss_fn=self.loss_fn, blocks=self.blocks, keep_output=False
+                    model, sample, loss_fn=self.loss_fn, blocks=self.blocks,
+                    optimizer=_optimizer_for(optimizer, args),
+                    accumulation_steps=args.gradient_accumulation_steps, keep_output=False,
                 )
             except UsageError as error:
                 raise UsageError(
                     f"GradckptCallback could not profile {type(model).__name__}: {error} "
                     f"(give the callback blocks=, loss_fn= or sample= as needed)"
                 ) from error
-        plan = solve_reserving(
-            measured,
-            self.budget,
-            self.strategy,
-            reserved_bytes=reserved_bytes,
-            reserved_for="the optimizer's state"
-            + (" and accumulated gradients" if gradient_bytes else ""),
-            device=device,
-        )
+        plan = self._solve(measured, device)
         apply(model, plan)
+        reserved_bytes = measured.optimizer_state_bytes + measured.accumulated_gradient_bytes
         self.plan, self.profile, self.reserved_bytes = plan, measured, reserved_bytes
-        logger.info(
-            "GradckptCallback planned %s for this Trainer run: strategy %s, budget %s, "
-            "predicted peak %s including %s reserved (optimizer state %s, accumulated "
-            "gradients %s), predicted extra time %.1f%% per step\n%s",
-            type(model).__name__,
-            plan.strategy,
-            _budget_text(self.budget, plan.budget_bytes),
-            format_bytes(plan.predicted_peak_bytes),
-            format_bytes(reserved_bytes),
-            format_bytes(optimizer_bytes),
-            format_bytes(gradient_bytes),
-            100 * plan.predicted_overhead,
-            plan,
-        )
+        logger.warning("gradckpt: %s", plan_summary(plan, measured, self.budget))
+        logger.info("GradckptCallback's plan for %s:\n%s", type(model).__name__, plan)
+
+    # Transformers calls these with (args, state, control, model=..., ...).
+    def on_step_end(self, *args: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        self._report_measured_peak(model, training_ended=False)
+
+    def on_train_end(self, *args: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        self._report_measured_peak(model, training_ended=True)
+
+    def _report_measured_peak(self, model: nn.Module | None, training_ended: bool) -> None:
+        """On a GPU, once the plan's watch has judged the first steps (``budget_watch``: the
+        allocator's peak of each step, read at the next forward), log what it measured against
+        the prediction and the budget, once; a run too short to finish the watch is reported
+        when training ends."""
+        if self.plan is None or self.measured_peak_bytes is not None or model is None:
+            return
+        watch = watch_of(model)
+        if watch is None or watch.reason or not watch.measured_peaks:
+            return  # not on CUDA, no budget, or no step judged yet
+        if watch.active and not training_ended:
+            return
+        self.measured_peak_bytes = watch.peak_bytes
+        logger.warning("gradckpt: %s", watch.summary())
+
+    def _solve(self, measured: Profile, device: torch.device) -> Plan:
+        """The plan for the callback's budget; an infeasible one says what to pass it."""
+
+        def solved() -> Plan:
+            budget = self.budget
+            if budget is not None:  # a percentage of the whole step, "auto" on the device
+                budget = parse_budget(budget, unconstrained_peak_bytes=measured.peak_bytes,
+                                      device=device)
+            return solve(measured, budget, self.strategy)
+
+        try:
+            return agreed_on_every_rank(solved)
+        except BudgetError as error:
+            smallest = rounded_up_budget(error.minimum_bytes)
+            headline = str(error).split("\n", 1)[0]
+            raise BudgetError(
+                f"GradckptCallback(budget={self.budget!r}): {headline}\n"
+                f"{error.explanation or ''} Pass a budget that fits: "
+                f"GradckptCallback(budget={smallest!r}).".strip(),
+                minimum_bytes=error.minimum_bytes, profile=error.profile,
+                explanation=error.explanation,
+            ) from None
 
     def _sample(
         self, model: nn.Module, train_dataloader: Any, processing_class: Any, device: torch.device
@@ -237,6 +264,29 @@ class GradckptCallback(transformers.TrainerCallback):
         return sample
 
 
+def plan_summary(plan: Plan, measured: Profile, budget: int | str | None) -> str:
+    """One line saying what a plan does: blocks recomputed, predicted peak, budget, extra time.
+
+    Example:
+        >>> from gradckpt.plan import Plan, Segment
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> profile = Profile(blocks, 1210, 1000, 12.0)
+        >>> plan = Plan("optimal", 1150, [Segment(0, 1)], 1120, 2.0, 0.166,
+        ...             block_names=["h.0", "h.1", "h.2", "h.3"])
+        >>> print(plan_summary(plan, profile, "95%"))  # doctest: +NORMALIZE_WHITESPACE
+        plan optimal recomputes 2 of 4 blocks: predicted peak 1.09 KiB, budget 1.12 KiB
+        ('95%'), 1.18 KiB without checkpointing; +16.6% time per step
+    """
+    recomputed = len({index for segment in plan.segments for index in segment.blocks()})
+    return (
+        f"plan {plan.strategy} recomputes {recomputed} of {len(measured.blocks)} blocks: "
+        f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, budget "
+        f"{_budget_text(budget, plan.budget_bytes)}, {format_bytes(measured.peak_bytes)} "
+        f"without checkpointing; +{100 * plan.predicted_overhead:.1f}% time per step"
+    )
+
+
 def _check_budget(budget: Any, strategy: Any) -> None:
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise UsageError(
@@ -251,12 +301,11 @@ def _check_budget(budget: Any, strategy: Any) -> None:
                 f"fixed strategies 'none', 'every-layer', 'sqrt'"
             )
         return
-    # "auto" is read when training begins, on the model's device: reading it now could start
-    # CUDA in a process that has not picked its device yet.
-    if isinstance(budget, str) and budget.strip().lower() == "auto":
-        return
+    # Its form only: "auto" is read when training begins, on the model's device (reading it now
+    # could start CUDA in a process that has not picked its device yet), a percentage once the
+    # model is profiled.
     try:
-        parse_budget(budget, unconstrained_peak_bytes=_PEAK_FOR_SYNTAX_CHECK_BYTES)
+        check_budget(budget)
     except UsageError as error:
         raise UsageError(f"GradckptCallback(budget={budget!r}): {error}") from None
 

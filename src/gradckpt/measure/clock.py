@@ -11,6 +11,7 @@ the device could go: real kernels reach part of it.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["ModeledClock", "Roofline", "modeled", "now"]
+__all__ = ["ModeledClock", "Roofline", "modeled", "modeled_device_kind", "now"]
 
 
 class Roofline(Protocol):
@@ -28,7 +29,28 @@ class Roofline(Protocol):
     def seconds(self, flops: float, bytes_moved: float, dtype: torch.dtype) -> float: ...
 
 
-_active: list[ModeledClock] = []
+class _ActiveClocks(threading.local):
+    """The modeled clocks entered on this thread, innermost last. Per thread, as torch's
+    dispatch modes are: a ``ModeledClock`` counts this thread's operations only, so another
+    thread profiling a real model at the same time must keep reading the wall clock."""
+
+    def __init__(self) -> None:
+        self.stack: list[ModeledClock] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.stack)
+
+    def __getitem__(self, index: int) -> ModeledClock:
+        return self.stack[index]
+
+    def append(self, clock: ModeledClock) -> None:
+        self.stack.append(clock)
+
+    def remove(self, clock: ModeledClock) -> None:
+        self.stack.remove(clock)
+
+
+_active = _ActiveClocks()
 
 
 def now() -> float:
@@ -41,6 +63,15 @@ def now() -> float:
 def modeled() -> bool:
     """Whether ``now()`` reads a ``ModeledClock`` (the step runs on fake tensors)."""
     return bool(_active)
+
+
+def modeled_device_kind() -> str | None:
+    """The kind of device (``"cuda"``, ``"cpu"``) the active ``ModeledClock`` times, if it
+    says (``DeviceSpec.kind``); None outside one. Code that picks an implementation by device
+    (an optimizer's ``foreach``) picks the target's, not the fake tensors' CPU."""
+    if not _active:
+        return None
+    return getattr(_active[-1].device, "kind", None)
 
 
 class ModeledClock(TorchDispatchMode):

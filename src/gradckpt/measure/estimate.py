@@ -29,7 +29,6 @@ from ..engine import storage_key
 from ..engine.module import replace_forward
 from ..errors import UsageError
 from ..profile_types import Profile
-from ..reserved import optimizer_state_bytes
 from .attention import TargetAttention
 from .blocks import resolve_blocks
 from .clock import ModeledClock
@@ -49,7 +48,8 @@ def estimate(
     blocks: Any = None,
     *,
     device: str | DeviceSpec | dict | None = "this",
-    optimizer: str | None = None,
+    optimizer: torch.optim.Optimizer | str | None = None,
+    accumulation_steps: int = 1,
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     keep_output: bool = True,
@@ -65,12 +65,13 @@ def estimate(
         device: the device the step will run on: a preset name (``"h100-80gb"``, see
             ``gradckpt.devices.DEVICES``), ``"this"`` (this machine, its throughput measured
             once), a ``DeviceSpec`` or a dict of numbers. Only times depend on it.
-        optimizer: the optimizer's state, alive from the second step on, is counted in the
-            peak and in ``fixed_bytes`` (so every plan solved from this profile holds it):
-            ``"adamw"`` / ``"adam"`` (two moments per trainable parameter), ``"sgd"`` (none;
-            ``"sgd"`` with momentum: pass a ``torch.optim`` name from
-            ``gradckpt.reserved.OPTIMIZER_STATES_PER_PARAMETER``), ``"adamw-8bit"``
-            (bitsandbytes: two bytes per parameter) or ``None`` (not counted).
+        optimizer, accumulation_steps: as for ``profile``: the optimizer's state, alive from
+            the second step on, is counted in ``fixed_bytes`` (so every plan solved from this
+            profile holds it) and ``optimizer.step()``'s peak in ``optimizer_step_bytes``, its
+            implementation the one PyTorch picks on the target (``foreach`` on a GPU):
+            ``"adamw"`` / ``"adam"`` (two moments per trainable parameter), ``"sgd"`` (none),
+            ``"adamw-8bit"`` (bitsandbytes: two bytes per parameter, counted), an optimizer
+            object, or ``None`` (no optimizer step).
         dtype: train in this floating dtype (parameters and floating buffers cast, as
             ``model.to(dtype)`` would); default: as the model is.
         autocast: mixed precision as ``torch.autocast`` (and Accelerate, and the Trainer's
@@ -120,16 +121,12 @@ def estimate(
         target = TargetAttention(spec.compute_capability) if spec.kind == "cuda" else None
         with mode, ModeledClock(spec) as clock, target or contextlib.nullcontext():
             predicted = profile(
-                model, fake_sample, loss_fn=loss_fn, blocks=blocks, keep_output=keep_output,
-                repeats=1, progress=progress,
+                model, fake_sample, loss_fn=loss_fn, blocks=blocks, optimizer=optimizer,
+                accumulation_steps=accumulation_steps, keep_output=keep_output, repeats=1,
+                progress=progress,
             )
             copies = _parameter_copy_bytes(model, fake_sample) if autocast is not None else 0
-        # Still with the fake parameters: their dtype is the one trained in (optimizer state
-        # is kept in it, as torch.optim does).
-        optimizer_bytes = optimizer_state_bytes(optimizer, model)
-        predicted.fixed_bytes += optimizer_bytes
-        predicted.peak_bytes += optimizer_bytes
-        parts = memory_parts(model, predicted, optimizer_bytes, spec)
+        parts = memory_parts(model, predicted, predicted.optimizer_state_bytes, spec)
         if copies:
             parts["mixed-precision copies of the parameters"] = copies
         predicted.notes["largest_block_parameter_bytes"] = max(

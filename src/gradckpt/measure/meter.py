@@ -72,6 +72,9 @@ class MemoryMeter(TorchDispatchMode):
         self._tracker = _mem_tracker()
         if self._tracked:
             self._tracker.track_external(*self._tracked)
+        # MemTracker keeps what it needs; holding them here would keep alive for the whole
+        # measurement what the measured code lets go (a loop's previous output).
+        self._tracked = []
         self._tracker.__enter__()
         self._highest = self.current()
         return super().__enter__()
@@ -124,6 +127,9 @@ def measure_peak_bytes(
 
     The peak is of everything allocated on the device, not just the activations: parameters,
     gradients, optimizer state and inputs are included, which is what a memory budget is about.
+    The call holds ``track`` until it returns: to see the free of a tracked tensor the step lets
+    go (a loop's previous output), enter ``MemoryMeter(device, *tracked)`` and clear your list
+    of them inside it, as ``profile`` does; the meter itself keeps none of them.
 
     Example:
         >>> import torch

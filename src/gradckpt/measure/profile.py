@@ -1,10 +1,15 @@
 """Measuring a model: one real training step, and each block of its chain on its own.
 
-``profile(model, sample)`` runs a warm-up step and a few measured steps of the model as it is
-(no checkpointing) and records what ``Profile`` holds:
+``profile(model, sample, optimizer=...)`` runs a warm-up step and a few measured steps of the
+model as it is (no checkpointing) and records what ``Profile`` holds, for the steady state of
+the user's loop (step 2 on):
 
 - the step's peak memory (MemTracker's "Total" on CPU, ``max_memory_allocated`` on CUDA) and
-  its median time;
+  its median time, measured with the previous step's output alive where the loop keeps it
+  (``out = model(**batch)`` lets it go only once the next forward has returned);
+- the optimizer's state, and the peak of ``optimizer.step()`` with every gradient alive
+  (``optimizer_step.py``: the optimizer replicated on fake tensors), and with gradient
+  accumulation the gradients held between micro-batches;
 - per block, from the block's real inputs in that step, re-run on its own: input and output
   bytes; the bytes its autograd graph keeps (the distinct storages of the tensors it saves for
   backward, parameters excluded, its input included when saved; side inputs such as an
@@ -35,17 +40,19 @@ import torch
 from torch import nn
 
 from ..adapters import adapted
-from ..engine import first_tensor, storage_key
+from ..engine import first_tensor, plans_suspended, storage_key
 from ..errors import UsageError
 from ..profile_types import BlockProfile, Profile
+from ..reserved import accumulated_gradient_bytes
 from . import clock
 from .block import measure_block
 from .blocks import resolve_blocks
 from .device import infer_device
 from .model_state import buffers_and_rng_preserved, gradients_preserved
+from .optimizer_step import OptimizerStep, check_optimizer, measure_optimizer_step
 from .recording import Recording, record_block_calls
 from .side_inputs import with_side_inputs
-from .step import training_step
+from .step import OutputHolder, training_step
 from .step_memory import StepMemory
 from .tensors import tensor_bytes, tensors_in
 from .timing import BlockForwardTimer, block_kind, median_seconds, pooled_times
@@ -60,6 +67,8 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     blocks: Any = None,
     *,
+    optimizer: torch.optim.Optimizer | str | None = None,
+    accumulation_steps: int = 1,
     keep_output: bool = True,
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
@@ -73,6 +82,13 @@ def profile(
         blocks: the chain (default: ``gradckpt.find_blocks(model)``, put in the order the
             blocks run on ``sample``); see ``resolve_blocks``. Given explicitly, it must be in
             that order.
+        optimizer: the optimizer the loop steps (``torch.optim.AdamW(...)``), or its name
+            (``"adamw"``, ``"sgd"``, ``"adamw-8bit"``: ``optimizer_step.OPTIMIZER_NAMES``), or
+            ``None`` (no ``optimizer.step()`` in the step planned). Its state is counted in
+            ``fixed_bytes`` and its step's peak in ``optimizer_step_bytes``; the optimizer
+            itself is not stepped.
+        accumulation_steps: micro-batches per optimizer step; above 1, the gradients the
+            earlier ones leave are held all step (``accumulated_gradient_bytes``).
         keep_output: the step holds the model's output until backward ends, as
             ``out = model(**batch); out.loss.backward()`` does (for a language model the
             logits stay alive). ``False`` for loops that drop it before backward, such as the
@@ -105,6 +121,11 @@ def profile(
         )
     if repeats < 1:
         raise UsageError(f"repeats must be at least 1, got {repeats}")
+    if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
+            or accumulation_steps < 1):
+        raise UsageError(f"accumulation_steps must be a positive int (micro-batches per "
+                         f"optimizer step), got {accumulation_steps!r}")
+    optimizer = check_optimizer(optimizer)  # a misspelt name is told before any step runs
     report = _progress_callback(progress)
     device = infer_device(model)
     modules = [m for _, m in named_blocks]
@@ -114,6 +135,7 @@ def profile(
         gradients_preserved(model),
         buffers_and_rng_preserved(model),
         adapted(model),
+        plans_suspended(model),  # a planned model is measured as without its plan, kept on
     ):
         done = 0
 
@@ -139,11 +161,12 @@ def profile(
             modules = [module for _, module in named_blocks]
         calls = [recording.calls[index] for index in recording.order]
         chain_breaks = recording.chain_breaks()
+        out = OutputHolder()  # the loop's ``out``, from one step to the next
 
         def step() -> None:
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
             model.zero_grad(set_to_none=True)
-            training_step(model, sample, loss_fn, keep_output)
+            training_step(model, sample, loss_fn, keep_output, out)
             advance()
 
         if warm_up:
@@ -159,11 +182,19 @@ def profile(
         in_step_forward = timer.median_seconds()
         memory = StepMemory(modules[0], modules[-1], device)
         model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
-        memory.measure(step, model, *tensors_in(sample))
+        model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        sample_storages = {storage_key(tensor) for tensor in tensors_in(sample)}
+        previous_output_bytes = _distinct_bytes(tensors_in(out.output),
+                                                model_storages | sample_storages)
+        # The previous output is let go when the step's forward returns, as in the loop:
+        # nothing but ``out`` may hold it (measure() empties its list).
+        memory.measure(step, [model, *tensors_in(sample), *tensors_in(out.output)])
+        out.output = None
+        optimizer_step = measure_optimizer_step(
+            optimizer, model, clock.modeled_device_kind() or device)
         measured = []
         saved_side_inputs = []
         time_ratios = []
-        model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         kinds = [block_kind(module, call) for module, call in zip(modules, calls, strict=True)]
         # On fake tensors timed by a modeled clock (estimate), identical blocks measure the
         # same: each one's first pass is checked against the first like it, the rest reused.
@@ -186,14 +217,18 @@ def profile(
             advance()
     measured = pooled_times(measured, time_ratios, kinds)
     measured, output_held_bytes = with_side_inputs(
-        measured, recording, chain_breaks, model_storages, saved_side_inputs,
-        {storage_key(tensor) for tensor in tensors_in(sample)},
+        measured, recording, chain_breaks, model_storages, saved_side_inputs, sample_storages,
         recording.output_storages if keep_output else set(),
     )
     between = recording.gradients_made_after()
-    return _assemble(
+    assembled = _assemble(
         measured, memory, step_seconds, device, chain_breaks,
         sum(between[1:]) + output_held_bytes, _input_is_the_samples(recording, sample),
+        previous_output_bytes,
+    )
+    return _steady_state(
+        assembled, memory, optimizer_step,
+        accumulated_gradient_bytes(model, accumulation_steps), model, sample, keep_output,
     )
 
 
@@ -222,12 +257,15 @@ def _progress_callback(progress: Any) -> Callable[[int, int], None]:
 def _assemble(
     blocks: list[BlockProfile], memory: StepMemory, step_seconds: float, device: torch.device,
     chain_breaks: list[int], counted_by_blocks_bytes: int = 0, chain_input_fixed: bool = False,
+    previous_output_bytes: int = 0,
 ) -> Profile:
     """The profile, with the step's phases expressed the way ``gradckpt.cost`` models them.
     ``counted_by_blocks_bytes``: what is alive when the chain's backward ends that the blocks'
     ``side_gradient_bytes`` count already, not the head's: gradients made inside the chain's
-    backward outside its blocks, and side inputs the step's output holds."""
-    fixed = memory.start
+    backward outside its blocks, and side inputs the step's output holds.
+    ``previous_output_bytes``: the previous step's output, alive at the start of the measured
+    step and let go when its forward returns: not fixed (the phases before that count it)."""
+    fixed = memory.start - previous_output_bytes
     measured = Profile(
         blocks,
         peak_bytes=memory.peak,
@@ -237,6 +275,7 @@ def _assemble(
         other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
         chain_breaks=chain_breaks,
         chain_input_fixed=chain_input_fixed,
+        previous_output_bytes=previous_output_bytes,
     )
     retained = measured.plain_retained_bytes()
     measured.head_bytes = max(0, memory.highest["head"] - fixed - retained)
@@ -246,6 +285,51 @@ def _assemble(
     measured.notes["chain_backward_start_bytes"] = memory.chain_backward_start
     measured.notes["measured_phase_peaks"] = dict(memory.highest)
     return measured
+
+
+def _steady_state(
+    measured: Profile, memory: StepMemory, optimizer_step: OptimizerStep | None,
+    accumulated_bytes: int, model: nn.Module, sample: Any, keep_output: bool,
+) -> Profile:
+    """The measured step as the loop's steady state: the optimizer's state and the gradients
+    earlier micro-batches hold, alive all step, and ``optimizer.step()`` after backward (every
+    gradient and the output the loop holds alive, plus the optimizer's temporaries); with the
+    notes that explanations of the plan read."""
+    state_bytes = optimizer_step.state_bytes if optimizer_step else 0
+    measured.optimizer_state_bytes = state_bytes
+    measured.accumulated_gradient_bytes = accumulated_bytes
+    if optimizer_step is not None:
+        after_backward = memory.end - (memory.start - measured.previous_output_bytes)
+        measured.optimizer_step_bytes = (max(0, after_backward - accumulated_bytes)
+                                         + optimizer_step.temporary_bytes)
+    measured.fixed_bytes += state_bytes + accumulated_bytes
+    measured.peak_bytes = max(memory.peak + state_bytes + accumulated_bytes,
+                              measured.fixed_bytes + measured.optimizer_step_bytes)
+    parameters = list({id(p): p for p in model.parameters()}.values())
+    dtypes: dict[str, int] = {}
+    for parameter in parameters:
+        dtypes[str(parameter.dtype)] = dtypes.get(str(parameter.dtype), 0) + tensor_bytes(
+            parameter)
+    first = next(iter(tensors_in(sample)), None)
+    measured.notes.update(
+        keep_output=keep_output,
+        optimizer=optimizer_step.name if optimizer_step else None,
+        optimizer_temporaries_measured=optimizer_step.measured if optimizer_step else None,
+        parameter_dtypes=dtypes,
+        trainable_parameter_bytes=sum(tensor_bytes(p) for p in parameters if p.requires_grad),
+        batch_size=int(first.shape[0]) if first is not None and first.dim() else None,
+    )
+    return measured
+
+
+def _distinct_bytes(tensors: list[torch.Tensor], excluded: set) -> int:
+    """Bytes of the distinct storages among ``tensors``, leaving out those in ``excluded``."""
+    sizes = {}
+    for tensor in tensors:
+        key = storage_key(tensor)
+        if key is not None and key not in excluded:
+            sizes[key] = tensor.untyped_storage().nbytes()
+    return sum(sizes.values())
 
 
 def _head_leftovers(

@@ -24,7 +24,19 @@ from torch import nn
 
 from ..errors import UsageError
 
-__all__ = ["run_model", "loss_of", "training_step"]
+__all__ = ["OutputHolder", "run_model", "loss_of", "training_step"]
+
+
+class OutputHolder:
+    """The loop's ``out`` variable across steps.
+
+    ``out = model(**batch)`` lets go of the previous step's output only once the model has
+    returned the new one: in a loop that never deletes ``out``, the previous logits are alive
+    through the whole next forward pass. ``training_step`` given a holder does the same.
+    """
+
+    def __init__(self) -> None:
+        self.output: Any = None
 
 
 def run_model(model: nn.Module, sample: Any) -> Any:
@@ -82,12 +94,15 @@ def training_step(
     sample: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     keep_output: bool = True,
+    holder: OutputHolder | None = None,
 ) -> torch.Tensor:
     """One forward and backward pass as a training loop runs it; returns the loss, detached.
 
     ``keep_output=True`` holds the model's output until backward ends, as
     ``out = model(**batch); out.loss.backward()`` does; ``False`` drops it before backward, as
-    the Hugging Face Trainer does. Gradients accumulate into ``.grad`` as usual.
+    the Hugging Face Trainer does. Gradients accumulate into ``.grad`` as usual. With
+    ``holder`` (and ``keep_output``) the output also outlives the step in ``holder.output``,
+    until the next step's forward has returned, as a loop's ``out`` variable does.
 
     Example:
         >>> import torch
@@ -98,6 +113,8 @@ def training_step(
         torch.Size([2, 4])
     """
     output = run_model(model, sample)
+    if holder is not None and keep_output:
+        holder.output = output  # the previous step's output is let go only now
     loss = loss_of(output, loss_fn)
     if not keep_output:
         del output  # the loss alone lives on, and what its graph saved

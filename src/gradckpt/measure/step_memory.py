@@ -30,19 +30,25 @@ class StepMemory:
             ("before", "forward", "head", "backward", "after"), 0
         )
         self.start = self.peak = self.chain_backward_start = self.chain_backward_end = 0
+        self.end = 0
         self._memory: MemoryMeter | None = None
 
-    def measure(self, step: Callable[[], None], *tracked: Any) -> None:
+    def measure(self, step: Callable[[], None], tracked: list[Any]) -> None:
+        """Run ``step`` under the meter, ``tracked`` (what exists before it: the model, the
+        sample, a previous output) counted; the list is emptied once the meter has them, so
+        that what the step lets go is freed when it does."""
         hooks = [
             self.first.register_forward_pre_hook(self._chain_starts, with_kwargs=True),
             self.last.register_forward_hook(self._chain_ends),
         ]
         try:
             with MemoryMeter(self.device, *tracked) as memory:
+                tracked.clear()
                 self._memory = memory
                 self.start = memory.current()
                 step()
                 self._enter(self.phase)
+                self.end = memory.current()  # what the step leaves: gradients, the output
         finally:
             for hook in hooks:
                 hook.remove()

@@ -213,7 +213,7 @@ class _Chain:
 
     Runs are indexed by (first block, column): columns 0..n-1 are runs inside a segment ending
     at that block (its incoming gradient alive throughout), column n the top-level run to the
-    last block (nothing alive).
+    last block (only the previous step's output alive, in its forward).
     """
 
     def __init__(self, profile: Profile) -> None:
@@ -223,12 +223,14 @@ class _Chain:
         self.policies = any(b.matmul_bytes or b.matmul_seconds
                             or b.policy_backward_peak_bytes is not None for b in self.blocks)
         # While a run inside a segment ending at c is (re)computed in backward, c's output
-        # gradient and every parameter gradient made before are alive; nothing at the top.
+        # gradient and every parameter gradient made before are alive.
         self.gradients_after = gradients_after(profile)
         self.alive = [
             b.output_bytes + g for b, g in zip(self.blocks, self.gradients_after, strict=True)
         ]
-        self.alive.append(0)
+        # Column n is the top level, whose forward runs with the previous step's output alive
+        # (a loop's ``out = model(**batch)`` holds it until the model returns).
+        self.alive.append(profile.previous_output_bytes)
         self.head_bytes = profile.head_bytes
         # Side inputs are held by the top-level item holding their block (simulate's walk),
         # those no block saves too, as in any plan with a segment: the plan without one is

@@ -1,0 +1,186 @@
+"""The optimizer's part of the training step: the state it keeps, and ``optimizer.step()``'s peak.
+
+A training loop's steady state (step 2 on) holds the optimizer's state all along, and
+``optimizer.step()`` itself runs with every gradient alive and makes temporaries of its own
+(AdamW's ``sqrt(v) / bias_correction``: two parameter-sized ones at a time on the for-loop path,
+one list of all of them on the ``foreach`` path CUDA takes by default). Both are measured, not
+assumed: a replica of the optimizer (same class, same groups and settings) steps twice over fake
+copies of the trainable parameters (``FakeTensorMode``: shapes and dtypes, no memory), and the
+meter reads the second step, as it would read the user's step 2. The model is not touched.
+
+An optimizer the replica cannot be made of (bitsandbytes' 8-bit ones, a class whose constructor
+takes other arguments) is counted as ``gradckpt.reserved`` counts it, its temporaries unknown
+(``OptimizerStep.measured`` is False).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import UsageError
+from ..reserved import (
+    OPTIMIZER_STATE_BYTES_PER_PARAMETER,
+    OPTIMIZER_STATES_PER_PARAMETER,
+    optimizer_state_bytes,
+)
+from .meter import MemoryMeter
+from .tensors import tensor_bytes
+
+__all__ = ["OptimizerStep", "OPTIMIZER_NAMES", "check_optimizer", "measure_optimizer_step"]
+
+# The names ``optimizer=`` takes, lower case, each for the torch.optim class it builds (or, for
+# the 8-bit ones, counts).
+OPTIMIZER_NAMES = sorted(
+    [name.lower() for name in OPTIMIZER_STATES_PER_PARAMETER if name != "LBFGS"]
+    + list(OPTIMIZER_STATE_BYTES_PER_PARAMETER)
+)
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What the optimizer adds to the step.
+
+    - ``state_bytes``: its state (alive from its first step on);
+    - ``temporary_bytes``: the most ``optimizer.step()`` allocates above the state and the
+      gradients while it runs;
+    - ``name``: what it is ("AdamW"), for messages;
+    - ``measured``: the temporaries were measured (False: an optimizer the replica cannot be
+      made of, counted from its state alone).
+    """
+
+    state_bytes: int
+    temporary_bytes: int
+    name: str
+    measured: bool = True
+
+
+def measure_optimizer_step(
+    optimizer: torch.optim.Optimizer | str | None, model: nn.Module, device: torch.device | str,
+) -> OptimizerStep | None:
+    """The state and step temporaries of ``optimizer`` training ``model`` on ``device``.
+
+    ``optimizer`` is an optimizer (its class, groups and settings are replicated), a name from
+    ``OPTIMIZER_NAMES`` (that ``torch.optim`` class with its defaults over every trainable
+    parameter) or ``None`` or ``"none"`` (no optimizer step: returns ``None``). ``device``
+    decides what PyTorch's default implementation is (``foreach`` on CUDA, a loop over
+    parameters on CPU).
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(100, 100)  # 10,100 parameters, fp32
+        >>> step = measure_optimizer_step("adamw", layer, "cpu")
+        >>> step.state_bytes >= 2 * 4 * 10_100, step.temporary_bytes
+        (True, 80000)
+        >>> measure_optimizer_step("adamw", layer, "cuda").temporary_bytes  # foreach: all at once
+        40400
+    """
+    if check_optimizer(optimizer) is None:
+        return None
+    device = torch.device(device)
+    optimizer_class, groups, name = _what_to_replicate(optimizer, model)
+    if optimizer_class is None:
+        return OptimizerStep(optimizer_state_bytes(optimizer, model), 0, name, measured=False)
+    try:
+        state_bytes, temporary_bytes = _step_replica(optimizer_class, groups, device)
+    except Exception:  # a class whose constructor or step the replica cannot satisfy
+        return OptimizerStep(optimizer_state_bytes(optimizer, model), 0, name, measured=False)
+    return OptimizerStep(state_bytes, temporary_bytes, name)
+
+
+def check_optimizer(optimizer: Any) -> torch.optim.Optimizer | str | None:
+    """``optimizer`` if ``measure_optimizer_step`` takes it, ``None`` for none (``None`` or
+    ``"none"``); a ``UsageError`` naming what it takes otherwise, before anything is measured.
+
+    Example:
+        >>> check_optimizer("AdamW"), check_optimizer("none")
+        ('AdamW', None)
+        >>> check_optimizer("adamm")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: unknown optimizer 'adamm'; pass an optimizer object ...
+    """
+    if optimizer is None or (isinstance(optimizer, str) and optimizer.lower() == "none"):
+        return None
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZER_NAMES:
+            raise UsageError(
+                f"unknown optimizer {optimizer!r}; pass an optimizer object "
+                f"(optimizer=torch.optim.AdamW(...)) or one of: {', '.join(OPTIMIZER_NAMES)}, "
+                "or 'none'"
+            )
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(
+            f"optimizer must be a torch.optim.Optimizer, one of {', '.join(OPTIMIZER_NAMES)}, "
+            f"'none' or None; got {type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def _what_to_replicate(
+    optimizer: torch.optim.Optimizer | str, model: nn.Module
+) -> tuple[type | None, list[dict[str, Any]], str]:
+    """The class to build, its parameter groups (real parameters, trainable ones only) and the
+    optimizer's name; the class is None for an optimizer only counted."""
+    if isinstance(optimizer, str):
+        name = optimizer.lower()
+        if name in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
+            return None, [], optimizer
+        by_lower_name = {known.lower(): known for known in OPTIMIZER_STATES_PER_PARAMETER}
+        trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+        return getattr(torch.optim, by_lower_name[name]), [{"params": trainable}], \
+            by_lower_name[name]
+    groups = [
+        {**{key: value for key, value in group.items() if key != "params"},
+         "params": [p for p in group["params"] if p.requires_grad]}
+        for group in optimizer.param_groups
+    ]
+    return type(optimizer), groups, type(optimizer).__name__
+
+
+def _step_replica(
+    optimizer_class: type, groups: list[dict[str, Any]], device: torch.device
+) -> tuple[int, int]:
+    """Build the replica on fake parameters with gradients, step it twice, and return its
+    state's bytes and the second step's temporaries."""
+    real = [p for group in groups for p in group["params"]]
+    mode = detect_fake_mode(real) or FakeTensorMode()
+    foreach = device.type in _foreach_devices()
+    fakes: dict[int, nn.Parameter] = {}
+    with mode:
+        for parameter in real:
+            if id(parameter) not in fakes:
+                fake = nn.Parameter(torch.empty_strided(
+                    parameter.shape, parameter.stride(), dtype=parameter.dtype, device="cpu"))
+                fake.grad = torch.empty_like(fake)
+                fakes[id(parameter)] = fake
+        replica_groups = []
+        for group in groups:
+            settings = {key: value for key, value in group.items() if key != "params"}
+            if settings.get("foreach") is None and not settings.get("fused"):
+                settings["foreach"] = foreach  # what PyTorch picks on the real device
+            replica_groups.append({**settings, "params": [fakes[id(p)] for p in group["params"]]})
+        replica = optimizer_class(replica_groups)
+        replica.step()  # the first step makes the state; the steady state is the second
+    parameters = list(fakes.values())
+    with mode, MemoryMeter("cpu", *parameters, *(p.grad for p in parameters), replica) as meter:
+        start = meter.current()
+        replica.step()
+    state = {id(value): value for values in replica.state.values() for value in values.values()
+             if isinstance(value, torch.Tensor)}
+    return sum(tensor_bytes(value) for value in state.values()), max(0, meter.peak() - start)
+
+
+def _foreach_devices() -> list[str]:
+    with contextlib.suppress(Exception):  # a private helper of torch; CUDA where it is missing
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        return list(_get_foreach_kernels_supported_devices())
+    return ["cuda"]
