@@ -4,8 +4,10 @@ The question (issue 13, item 3): on GPT-2, Llama, Qwen2, BERT (masked LM), T5 an
 from configs and called with their labels, a CNN with BatchNorm, and frozen bases with adapters
 (hand-written LoRA and PEFT), does the plan ``gradckpt`` makes for 70% and 45% of the plain peak
 (or the smallest feasible budget, when 45% is below it) fit, as the step users write measures
-it? The step keeps the model's output alive through backward (``out = model(**batch);
-out.loss.backward()``), as ``profile`` assumes by default.
+it? The step is a loop's second step (``out = model(**batch); out.loss.backward()``): the
+model's output alive through backward, and the first step's until the second's forward
+returns, as ``profile`` assumes by default (no optimizer here: ``tests/test_training_loop.py``
+measures loops with one).
 
 For each model and budget it prints the budget, the predicted and the measured peak (the memory
 meter: MemTracker's "Total" on CPU), measured against budget and against prediction, and
