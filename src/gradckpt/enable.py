@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from .apply import apply, replacing_plan
-from .budget import check_budget, format_bytes, parse_budget
+from .budget import check_budget, format_bytes
 from .errors import UsageError, warn_once
-from .measure import infer_device, profile
+from .measure import profile
 from .measure.optimizer_step import check_optimizer
 from .plan import Plan
 from .ranks import agreed_on_every_rank
+from .reserved import optimizer_state_bytes
 from .solvers import STRATEGIES, solve
 
 __all__ = ["enable"]
@@ -99,24 +100,15 @@ def enable(
     with replacing_plan(model):
         measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks, optimizer=optimizer,
                            accumulation_steps=accumulation_steps, keep_output=keep_output)
-        device = infer_device(model)
-        plan = agreed_on_every_rank(lambda: solve(
-            measured, _budget_bytes(budget, measured.peak_bytes, device), strategy))
+        # solve reads a percentage of the measured step and "auto" on the model's device.
+        plan = agreed_on_every_rank(lambda: solve(measured, budget, strategy))
         apply(model, plan)
     return plan
 
 
-def _budget_bytes(budget: int | str | None, peak_bytes: int, device: torch.device) -> int | None:
-    """The budget in bytes: a percentage of the measured step's peak, "auto" on its device."""
-    if budget is None:
-        return None
-    return parse_budget(budget, unconstrained_peak_bytes=peak_bytes, device=device)
-
-
 def _warn_without_optimizer(model: nn.Module) -> None:
     """Warn once that the plan leaves out an optimizer's state, naming AdamW's size."""
-    trainable = {id(p): p for p in model.parameters() if p.requires_grad}.values()
-    adamw_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)
+    adamw_bytes = optimizer_state_bytes("adamw", model)
     if not adamw_bytes:
         return
     warn_once(

@@ -32,12 +32,11 @@ class BudgetError(GradckptError, ValueError):
     with ``explanation``: what the least plan's peak is made of and what would lower it (one
     paragraph, unwrapped; ``""`` where there is none). ``profile`` is the
     ``gradckpt.Profile`` the plan was solved from (``None`` where it is not at hand: on the
-    ranks that did not solve), so that retrying needs no second measurement (where memory was
-    reserved beside the step, an optimizer's state in the Trainer callback, pass the budget
-    again instead)::
+    ranks that did not solve), so that retrying needs no second measurement: the profile is of
+    the whole step, the optimizer's state included::
 
         try:
-            plan = gradckpt.enable(model, batch, budget="60%")
+            plan = gradckpt.enable(model, batch, budget="60%", optimizer=optimizer)
         except gradckpt.BudgetError as error:
             plan = gradckpt.solve(error.profile, error.minimum_bytes)
             gradckpt.apply(model, plan)

@@ -1,7 +1,7 @@
 """Memory a training step holds besides what the model's forward and backward allocate.
 
-``profile`` measures one forward and backward starting with no gradients. A training loop holds
-more, for the whole step, once it has run a while:
+One forward and backward, starting with no gradients, is not all a training loop holds once it
+has run a while:
 
 - the optimizer's state (Adam's two moments per trainable parameter), created by the first
   ``optimizer.step()`` and alive from then on;
@@ -9,7 +9,9 @@ more, for the whole step, once it has run a while:
   of each later forward pass. Counted here in full: the measured step allocates them during
   backward anyway, so this over-counts by what it held of them at its peak, never under.
 
-The budget a user gives is for all of it; the solvers get what is left (``enable.solve_reserving``).
+``gradckpt.profile`` counts both in the step it measures (``Profile.fixed_bytes``); the
+optimizer's state is measured there (``measure/optimizer_step.py``), and counted here only for
+an optimizer that cannot be replicated on fake tensors (bitsandbytes' 8-bit ones).
 """
 
 from __future__ import annotations

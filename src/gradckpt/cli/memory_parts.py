@@ -28,11 +28,11 @@ def without_optimizer_note(model: nn.Module, optimizer: str | None) -> str | Non
         True
     """
     from gradckpt.budget import format_bytes
+    from gradckpt.reserved import optimizer_state_bytes
 
     if optimizer is not None:
         return None
-    trainable = {id(p): p for p in model.parameters() if p.requires_grad}.values()
-    adamw_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)
+    adamw_bytes = optimizer_state_bytes("adamw", model)
     if not adamw_bytes:
         return None
     return (f"no optimizer counted (--optimizer none): a loop stepping AdamW holds "

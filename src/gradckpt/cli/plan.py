@@ -40,7 +40,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from gradckpt.budget import format_bytes, parse_budget
+    from gradckpt.budget import format_bytes
     from gradckpt.report import memory_breakdown_table
     from gradckpt.solvers import solve
 
@@ -64,12 +64,8 @@ def run_plan(args: argparse.Namespace) -> int:
     profile = profile_with_bar(model, sample, keep_output=not args.drop_output,
                                optimizer=optimizer)
     optimizer_bytes = profile.optimizer_state_bytes
-    with explained_for_the_command_line():
-        budget = args.budget
-        if budget is not None:  # a percentage of the whole step, "auto" on this device
-            budget = parse_budget(budget, unconstrained_peak_bytes=profile.peak_bytes,
-                                  device=device)
-        plan = solve(profile, budget, args.strategy)
+    with explained_for_the_command_line():  # a percentage of the whole step, "auto" here
+        plan = solve(profile, args.budget, args.strategy)
 
     names = [block.name for block in profile.blocks]
     print(

@@ -24,7 +24,7 @@ import transformers
 from torch import nn
 
 from ..apply import apply
-from ..budget import check_budget, format_bytes, parse_budget, rounded_up_budget
+from ..budget import check_budget, format_bytes, rounded_up_budget
 from ..budget_watch import watch_of
 from ..errors import BudgetError, UsageError
 from ..measure import infer_device, profile
@@ -184,7 +184,7 @@ class GradckptCallback(transformers.TrainerCallback):
                     f"GradckptCallback could not profile {type(model).__name__}: {error} "
                     f"(give the callback blocks=, loss_fn= or sample= as needed)"
                 ) from error
-        plan = self._solve(measured, device)
+        plan = self._solve(measured)
         apply(model, plan)
         reserved_bytes = measured.optimizer_state_bytes + measured.accumulated_gradient_bytes
         self.plan, self.profile, self.reserved_bytes = plan, measured, reserved_bytes
@@ -213,18 +213,12 @@ class GradckptCallback(transformers.TrainerCallback):
         self.measured_peak_bytes = watch.peak_bytes
         logger.warning("gradckpt: %s", watch.summary())
 
-    def _solve(self, measured: Profile, device: torch.device) -> Plan:
-        """The plan for the callback's budget; an infeasible one says what to pass it."""
-
-        def solved() -> Plan:
-            budget = self.budget
-            if budget is not None:  # a percentage of the whole step, "auto" on the device
-                budget = parse_budget(budget, unconstrained_peak_bytes=measured.peak_bytes,
-                                      device=device)
-            return solve(measured, budget, self.strategy)
-
+    def _solve(self, measured: Profile) -> Plan:
+        """The plan for the callback's budget (a percentage of the whole step ``measured``,
+        "auto" on the model's device: ``solve`` reads both); an infeasible one says what to
+        pass the callback."""
         try:
-            return agreed_on_every_rank(solved)
+            return agreed_on_every_rank(lambda: solve(measured, self.budget, self.strategy))
         except BudgetError as error:
             smallest = rounded_up_budget(error.minimum_bytes)
             headline = str(error).split("\n", 1)[0]
