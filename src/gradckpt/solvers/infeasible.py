@@ -120,8 +120,8 @@ class _Step:
     @classmethod
     def of(cls, profile: Profile) -> _Step:
         notes = profile.notes
-        optimizer_state = int(getattr(profile, "optimizer_state_bytes", 0) or 0)
-        accumulated = int(getattr(profile, "accumulated_gradient_bytes", 0) or 0)
+        optimizer_state = profile.optimizer_state_bytes
+        accumulated = profile.accumulated_gradient_bytes
         dtypes = notes.get("parameter_dtypes") or {}
         parameter_bytes = sum(dtypes.values())
         trainable = notes.get("trainable_parameter_bytes")
@@ -141,7 +141,7 @@ class _Step:
             optimizer=notes.get("optimizer") or None,
             optimizer_state_bytes=optimizer_state,
             accumulated_gradient_bytes=accumulated,
-            previous_output_bytes=int(getattr(profile, "previous_output_bytes", 0) or 0),
+            previous_output_bytes=profile.previous_output_bytes,
         )
 
     @property
