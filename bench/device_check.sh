@@ -35,7 +35,7 @@ import gradckpt
 from gradckpt.budget import format_bytes
 from gradckpt.budget_watch import watch_budget, watch_of
 from gradckpt.errors import GradckptWarning, forget_warnings
-from gradckpt.models import GPTConfig, TinyGPT
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 device = torch.device("cuda")
 config = GPTConfig(n_layer=6, n_embd=256, n_head=4, block_size=256, dropout=0.0)

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import gradckpt
 from gradckpt.measure import measure_peak_bytes
-from gradckpt.models import GPTConfig, TinyGPT
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 TIME_TARGET = 1.03  # gradckpt / torch step-time ratio that passes
 

@@ -81,8 +81,8 @@ import predictions  # noqa: E402  (the model families)
 
 import gradckpt  # noqa: E402
 from gradckpt.cost import plan_for  # noqa: E402
-from gradckpt.devices import device_spec, format_device  # noqa: E402
 from gradckpt.measure.step import loss_of, run_model  # noqa: E402
+from gradckpt.predict.devices import device_spec, format_device  # noqa: E402
 
 # Sizes (the arguments of each family's sample maker in estimate_accuracy.SIZES), chosen so
 # that a plain step takes roughly 0.07-0.1 s on a quiet 2-core CPU (about the estimate's own

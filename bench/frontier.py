@@ -104,10 +104,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import gradckpt
 from gradckpt.cli.progress import progress_bar
 from gradckpt.cost import simulate
+from gradckpt.engine import is_matmul_or_attention
 from gradckpt.measure import measure_peak_bytes
-from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.plan import Plan, Segment
-from gradckpt.policies import is_matmul_or_attention
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 PEAK_ERROR_TARGET = 0.05  # |predicted - measured| / measured peak
 EXTRA_TIME_ERROR_TARGET = 0.15  # |predicted - measured| / measured extra time, or the floor

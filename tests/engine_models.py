@@ -1,6 +1,6 @@
 """Small, self-contained models and helpers for the checkpoint-engine tests.
 
-The engine tests do not import ``gradckpt.models`` (work in progress elsewhere): every model they
+The engine tests do not import ``gradckpt.toy_models``: every model they
 run is defined here, small enough to run in milliseconds on a CPU.
 
 Each model routes its checkpointable regions through ``self.call(fn, *args, **kwargs)``. The
@@ -68,7 +68,7 @@ def set_call(model: nn.Module, call: Call) -> None:
 
 aten = torch.ops.aten
 
-# Written out independently of gradckpt.policies, so the reference does not share its code.
+# Written out independently of gradckpt.engine.fates, so the reference does not share its code.
 REFERENCE_MATMUL_PACKETS = {
     aten.mm,
     aten.addmm,

@@ -1,5 +1,5 @@
 """Model adapters: how integrations change a model while gradckpt works on it, without the core
-knowing the model family (``gradckpt.adapters``; Hugging Face's is the built-in one)."""
+knowing the model family (``gradckpt.ecosystem_hooks``; Hugging Face's is the built-in one)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hf_models import causal_sample, tiny_llama
 
 import gradckpt
-from gradckpt.adapters import (
+from gradckpt.ecosystem_hooks import (
     Occasion,
     adapt,
     adapted,
@@ -48,7 +48,7 @@ def test_adapters_run_in_order_and_undo_last_first() -> None:
 
 def test_importing_gradckpt_registers_the_hugging_face_adapter() -> None:
     # The core imports no integration; the package wires the built-in ones in.
-    code = ("import gradckpt, gradckpt.adapters as a, gradckpt.integrations.hf as hf; "
+    code = ("import gradckpt, gradckpt.ecosystem_hooks as a, gradckpt.integrations.hf as hf; "
             "assert hf.adapt_transformers in a._ADAPTERS")
     subprocess.run([sys.executable, "-c", code], check=True)
 

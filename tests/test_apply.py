@@ -10,8 +10,8 @@ import torch
 
 import gradckpt
 from gradckpt import UsageError
-from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.plan import Plan, Segment
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16, dropout=0.1)
 NAMES = [f"transformer.h.{i}" for i in range(CONFIG.n_layer)]

@@ -16,7 +16,7 @@ from torch import nn
 
 import gradckpt
 from gradckpt.measure import find_blocks, resolve_blocks
-from gradckpt.models import GPTConfig, TinyGPT, mlp_chain, small_cnn
+from gradckpt.toy_models import GPTConfig, TinyGPT, mlp_chain, small_cnn
 
 transformers = pytest.importorskip("transformers")
 

@@ -444,7 +444,7 @@ def test_check_budget_refuses_what_parse_budget_would(budget, message) -> None:
 
 @pytest.mark.parametrize("budget", ["60", 0.6, "6G", "150%"])
 def test_enable_refuses_a_malformed_budget_before_running_the_model(budget) -> None:
-    from gradckpt.models import mlp_chain
+    from gradckpt.toy_models import mlp_chain
 
     model = mlp_chain(4, 8)
     before = {name: value.clone() for name, value in model.state_dict().items()}

@@ -20,9 +20,9 @@ from hf_models import causal_sample, tiny_llama
 import gradckpt
 from gradckpt import BudgetError
 from gradckpt import budget as budget_module
-from gradckpt.models import mlp_chain
 from gradckpt.profile_types import BlockProfile
 from gradckpt.solvers.infeasible import RETRY_WITHOUT_MEASURING, budget_message
+from gradckpt.toy_models import mlp_chain
 
 GIB = 2**30
 
@@ -247,7 +247,7 @@ def test_the_command_line_reads_auto_as_solve_does(this_machine, tmp_path) -> No
 
 def test_a_plan_that_would_fit_the_target_is_offered_as_budget_auto() -> None:
     from gradckpt.cli.estimate import fit_line
-    from gradckpt.devices import DEVICES
+    from gradckpt.predict.devices import DEVICES
 
     profile = step(device_usable_bytes=1300, estimated_for="l4-24gb")
     line = fit_line(profile, gradckpt.solve(profile, strategy="none"), DEVICES["l4-24gb"])

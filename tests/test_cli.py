@@ -21,7 +21,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 FACTORIES = '''
 import torch
-from gradckpt.models import mlp_chain
+from gradckpt.toy_models import mlp_chain
 
 def build(batch, seq):
     return mlp_chain(4, 16), torch.randn(batch, seq, 16)

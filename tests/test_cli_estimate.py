@@ -14,9 +14,9 @@ from gradckpt.cli import known_configs as known_configs_module
 from gradckpt.cli import main
 from gradckpt.cli.known_configs import KNOWN_CONFIGS, KnownConfig
 from gradckpt.cli.model_lookup import build_known_model
-from gradckpt.measure.estimate import GRADIENTS, PARAMETERS
 from gradckpt.plan import Plan
-from gradckpt.sharding import GATHERED
+from gradckpt.predict.memory_parts import GRADIENTS, PARAMETERS
+from gradckpt.predict.per_rank import GATHERED
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Target devices for ``estimate`` (gradckpt.devices): presets, names, user numbers, "this"."""
+"""Target devices for ``estimate`` (gradckpt.predict.devices): presets, names, numbers, "this"."""
 
 from __future__ import annotations
 
@@ -12,9 +12,16 @@ import warnings
 import pytest
 import torch
 
-from gradckpt import devices
-from gradckpt.devices import ALIASES, DEVICES, DeviceSpec, device_spec, format_device, this_machine
 from gradckpt.errors import GradckptWarning, UsageError, forget_warnings
+from gradckpt.predict import devices
+from gradckpt.predict.devices import (
+    ALIASES,
+    DEVICES,
+    DeviceSpec,
+    device_spec,
+    format_device,
+    this_machine,
+)
 
 GIB = 2**30
 

@@ -12,9 +12,9 @@ import gradckpt
 from gradckpt import BudgetError
 from gradckpt.cost import simulate
 from gradckpt.measure import loss_of, measure_peak_bytes
-from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.plan import Segment
 from gradckpt.solvers.optimal import minimum_peak_bytes
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=64, dropout=0.1)
 ALLOWANCE = 1.03  # allocator noise the planning issue allows on a measured peak

@@ -317,7 +317,7 @@ def test_kept_outputs_backward_does_not_save_are_freed_during_recomputation() ->
         create_selective_checkpoint_contexts,
     )
 
-    from gradckpt.policies import is_matmul_or_attention
+    from gradckpt.engine import is_matmul_or_attention
 
     torch.manual_seed(0)
     first, second = nn.Linear(WIDTH, 8 * WIDTH), nn.Linear(8 * WIDTH, WIDTH)

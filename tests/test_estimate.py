@@ -17,7 +17,7 @@ import torch
 
 import gradckpt
 from gradckpt.cost import simulate
-from gradckpt.measure.clock import ModeledClock
+from gradckpt.predict.clock import ModeledClock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import gradckpt
-from gradckpt.measure.attention import TargetAttention, _Call, choose_kernel
+from gradckpt.predict.attention import TargetAttention, _Call, choose_kernel
 
 H100, A100, L4 = (9, 0), (8, 0), (8, 9)
 
@@ -144,8 +144,8 @@ def test_a_plan_from_a_gpu_estimate_recomputes_with_the_same_kernel() -> None:
 def test_a_device_given_by_numbers_can_name_its_compute_capability() -> None:
     numbers = {"memory": "48GiB", "bf16_tflops": 180, "fp32_tflops": 90,
                "bandwidth_gbps": 960}
-    assert gradckpt.devices.device_spec(numbers).compute_capability is None  # sm80's rules
-    ada = gradckpt.devices.device_spec({**numbers, "compute_capability": "8.9"})
+    assert gradckpt.predict.devices.device_spec(numbers).compute_capability is None  # sm80's rules
+    ada = gradckpt.predict.devices.device_spec({**numbers, "compute_capability": "8.9"})
     assert ada.compute_capability == (8, 9)
     with pytest.raises(gradckpt.UsageError, match="compute_capability"):
-        gradckpt.devices.device_spec({**numbers, "compute_capability": "Ada"})
+        gradckpt.predict.devices.device_spec({**numbers, "compute_capability": "Ada"})

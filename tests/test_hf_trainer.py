@@ -32,7 +32,7 @@ from gradckpt.budget import format_bytes, parse_budget
 from gradckpt.integrations import hf_trainer
 from gradckpt.integrations.hf_trainer import GradckptCallback
 from gradckpt.measure import MemoryMeter, profile
-from gradckpt.reserved import optimizer_state_bytes
+from gradckpt.measure.training_state import optimizer_state_bytes
 
 SEQUENCE_LENGTH = 32
 # Low enough that the plan recomputes something, high enough to be feasible with Adam's state

@@ -10,9 +10,9 @@ import gradckpt
 from gradckpt.budget import format_bytes
 from gradckpt.cli.estimate import breakdown_table
 from gradckpt.cli.memory_parts import memory_parts
-from gradckpt.measure.estimate import CUDA_RESERVE
-from gradckpt.models import GPTConfig, TinyGPT
+from gradckpt.predict.memory_parts import CUDA_RESERVE
 from gradckpt.report import MemoryParts, memory_breakdown_table
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 MiB = 2**20
 

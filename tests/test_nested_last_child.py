@@ -15,8 +15,8 @@ from torch import nn
 import gradckpt
 from gradckpt.cost import plan_for
 from gradckpt.measure import loss_of, measure_peak_bytes
-from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.plan import Segment
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 
 def lora_chain() -> nn.Module:

@@ -18,10 +18,10 @@ from gradckpt.cli.demo_strategies import strategies_table
 from gradckpt.cli.frontier import optimal_frontier, plan_point
 from gradckpt.cli.plan_measurements import PlanRun
 from gradckpt.cli.sqrt_table import depth_series, sqrt_rows, sqrt_table
-from gradckpt.models import GPTConfig, TinyGPT
 from gradckpt.plan import Plan
 from gradckpt.report import StrategyPoint, draw_frontier, draw_memory_vs_depth
 from gradckpt.solvers import BUDGET_DRIVEN
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 pytest.importorskip("matplotlib")
 

@@ -16,9 +16,9 @@ from gradckpt.cost import plan_for, simulate
 from gradckpt.engine import checkpoint_segments
 from gradckpt.measure import measure_peak_bytes
 from gradckpt.measure.timing import TimeRatios, pooled_times
-from gradckpt.models import GPTConfig, TinyGPT, small_cnn
 from gradckpt.plan import Segment
 from gradckpt.profile_types import BlockProfile
+from gradckpt.toy_models import GPTConfig, TinyGPT, small_cnn
 
 BATCH, SEQ = 4, 64
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=SEQ, dropout=0.1)

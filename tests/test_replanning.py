@@ -461,6 +461,7 @@ def test_a_modeled_clock_is_for_its_own_thread_only() -> None:
     """estimate times fake tensors on a modeled clock; a profile on another thread at the same
     time reads the wall clock."""
     from gradckpt.measure import clock
+    from gradckpt.predict.clock import ModeledClock
 
     class Device:
         def seconds(self, flops: float, bytes_moved: float, dtype: torch.dtype) -> float:
@@ -470,7 +471,7 @@ def test_a_modeled_clock_is_for_its_own_thread_only() -> None:
     entered, leave = threading.Event(), threading.Event()
 
     def estimate_like() -> None:
-        with clock.ModeledClock(Device()):
+        with ModeledClock(Device()):
             seen["inside"] = clock.modeled()
             entered.set()
             leave.wait()

@@ -21,7 +21,7 @@ from torch import nn
 from gradckpt import UsageError
 from gradckpt.engine import checkpoint_segments
 from gradckpt.measure import MemoryMeter
-from gradckpt.models import GPTConfig, TinyGPT
+from gradckpt.toy_models import GPTConfig, TinyGPT
 
 LAYERS = 6
 CONFIG = GPTConfig(n_layer=LAYERS, n_embd=32, n_head=2, block_size=16, dropout=0.1)

@@ -5,22 +5,24 @@ for backward, whether to keep it, recompute it or offload it. See README.md and 
 pipeline.
 """
 
-from . import integrations  # noqa: F401  (registers the built-in adapters)
+from . import integrations  # noqa: F401  (registers the ecosystem hooks)
 from .apply import apply, disable, get_plan
 from .enable import enable
 from .engine import (
+    Fate,
     checkpoint,
     checkpoint_module,
     debug_mode,
     is_checkpointed,
+    offload_matmuls,
+    save_matmuls,
     uncheckpoint_module,
 )
 from .errors import BudgetError, CheckpointError, GradckptError, GradckptWarning, UsageError
 from .measure import find_blocks, peak_memory, profile
 from .plan import Plan
-from .policies import Fate, offload_matmuls, save_matmuls
+from .predict import estimate
 from .profile_types import BlockProfile, Profile
-from .sharding import estimate
 from .solvers import solve
 
 __version__ = "0.1.0"

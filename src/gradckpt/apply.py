@@ -2,7 +2,7 @@
 
 ``apply(model, plan)`` finds the plan's blocks in the model by name and checkpoints the plan's
 segments (nested ones included) with ``gradckpt.engine.segments.checkpoint_segments``: hooks
-on the blocks, and the registered adapters run (``gradckpt.adapters``: Hugging Face key/value
+on the blocks, and the registered adapters run (``gradckpt.ecosystem_hooks``: Hugging Face key/value
 caches off), nothing else. The adapters run for the plan "none" too: ``profile`` measured the
 step adapted (a T5 training step holds 1.7% more with its cache on), so the model runs as
 predicted. Parameters, their names, ``state_dict`` keys and outputs do not change.
@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .adapters import Occasion, adapt
 from .budget_watch import watch_budget
+from .ecosystem_hooks import Occasion, adapt
 from .engine import SegmentsHandle, checkpoint_segments
 from .errors import UsageError
 from .measure import resolve_blocks

@@ -17,12 +17,12 @@ from torch import nn
 
 from .apply import apply, replacing_plan
 from .budget import check_budget, format_bytes
+from .distributed import agreed_on_every_rank
 from .errors import UsageError, warn_once
 from .measure import profile
 from .measure.optimizer_step import check_optimizer
+from .measure.training_state import optimizer_state_bytes
 from .plan import Plan
-from .ranks import agreed_on_every_rank
-from .reserved import optimizer_state_bytes
 from .solvers import STRATEGIES, solve
 
 __all__ = ["enable"]
@@ -78,7 +78,7 @@ def enable(
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.models import GPTConfig, TinyGPT
+        >>> from gradckpt.toy_models import GPTConfig, TinyGPT
         >>> model = TinyGPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=64))
         >>> optimizer = torch.optim.AdamW(model.parameters())
         >>> idx = torch.randint(0, 512, (8, 64))

@@ -21,7 +21,12 @@ from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["BlockProfile", "Profile"]
+__all__ = ["PLANNED_POLICY", "BlockProfile", "Profile"]
+
+
+PLANNED_POLICY = "save-matmuls"  # a preset of gradckpt.engine.fates
+"""The operation-level policy plans choose from: ``profile`` measures each block under it, and
+the optimal solver weighs a segment under it against recomputing everything."""
 
 
 @dataclass

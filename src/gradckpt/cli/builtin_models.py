@@ -25,7 +25,7 @@ def _tinygpt(layers: int) -> Callable[[int, int], PlanTarget]:
     def build(batch: int, seq: int) -> PlanTarget:
         import torch
 
-        from gradckpt.models import GPTConfig, TinyGPT
+        from gradckpt.toy_models import GPTConfig, TinyGPT
 
         model = TinyGPT(GPTConfig(n_layer=layers, block_size=max(seq, 128)))
         tokens = torch.randint(0, model.config.vocab_size, (batch, seq + 1))
@@ -38,7 +38,7 @@ def _tinygpt(layers: int) -> Callable[[int, int], PlanTarget]:
 def _mlp_chain(batch: int, seq: int) -> PlanTarget:
     import torch
 
-    from gradckpt.models import mlp_chain
+    from gradckpt.toy_models import mlp_chain
 
     return PlanTarget(mlp_chain(16, 256), torch.randn(batch, seq, 256), "mlp_chain(16, 256)")
 

@@ -61,7 +61,7 @@ def compare_strategies(
     """
     import torch
 
-    from gradckpt.models import GPTConfig, TinyGPT
+    from gradckpt.toy_models import GPTConfig, TinyGPT
 
     config = GPTConfig(n_layer=size.layers, block_size=size.seq)
     torch.manual_seed(seed)

@@ -6,7 +6,7 @@ with the model built on the meta device (no weights), so an 8B model plans on a 
 a minute; the solvers then plan it as they plan a measured profile. What is printed: the model
 and the target device, the per-block plan (``str(plan)``, as for a measured plan), what takes
 the memory part by part, and whether the predicted peak fits the device. With ``--world-size N``
-all of it is for one of N ranks sharding the model (``gradckpt.sharding``): the parameters,
+all of it is for one of N ranks sharding the model (``gradckpt.predict.per_rank``): the parameters,
 gradients and optimizer state it keeps (1/N), what it gathers in full while a block computes,
 and whether that fits one device.
 """
@@ -25,8 +25,8 @@ from .model_lookup import resolve_model
 from .progress import progress_bar, stage
 
 if TYPE_CHECKING:
-    from gradckpt.devices import DeviceSpec
     from gradckpt.plan import Plan
+    from gradckpt.predict.devices import DeviceSpec
     from gradckpt.profile_types import Profile
 
 __all__ = ["DTYPES", "run_estimate", "target_device"]
@@ -38,7 +38,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def target_device(name: str | None) -> DeviceSpec:
     """``--device`` with ``--estimate``: the device the plan is for: a preset or an alias,
     ``this`` (default: this machine), or a JSON object of numbers for any other device (the
-    keys ``gradckpt.devices.device_spec`` takes).
+    keys ``gradckpt.predict.devices.device_spec`` takes).
 
     Example:
         >>> target_device("H100").name
@@ -51,8 +51,8 @@ def target_device(name: str | None) -> DeviceSpec:
         ...
         gradckpt.cli.errors.CommandLineError: --device: unknown device 'h1000'; did you mean ...
     """
-    from gradckpt.devices import device_spec
     from gradckpt.errors import UsageError
+    from gradckpt.predict.devices import device_spec
 
     device: Any = name or "this"
     if device.lstrip().startswith("{"):
@@ -81,7 +81,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     import gradckpt
     from gradckpt.budget import format_bytes
-    from gradckpt.devices import format_device
+    from gradckpt.predict.devices import format_device
 
     spec = target_device(args.device)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
@@ -155,13 +155,13 @@ def plan_memory_parts(profile: Profile, plan: Plan, optimizer: str) -> dict[str,
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.models import mlp_chain
+        >>> from gradckpt.toy_models import mlp_chain
         >>> profile = gradckpt.estimate(mlp_chain(4, 8), torch.randn(16, 8), device="l4")
         >>> parts = plan_memory_parts(profile, gradckpt.solve(profile, None, "sqrt"), "none")
         >>> list(parts)[:3]
         ['parameters', 'gradients (trainable parameters)', 'activations kept for backward (under this plan)']
     """  # noqa: E501  (a doctest's output is one line)
-    from gradckpt.measure.estimate import ACTIVATIONS, OPTIMIZER_STATE
+    from gradckpt.predict.memory_parts import ACTIVATIONS, OPTIMIZER_STATE
 
     parts = {}
     for name, size in profile.notes["memory_parts"].items():
@@ -186,7 +186,7 @@ def part_label(name: str, world_size: int) -> str:
         >>> part_label("parameters", 1)
         'parameters'
     """
-    from gradckpt.measure.estimate import GRADIENTS, PARAMETERS
+    from gradckpt.predict.memory_parts import GRADIENTS, PARAMETERS
 
     sharded = name in (PARAMETERS, GRADIENTS) or name.startswith("optimizer state (")
     if world_size == 1 or not sharded:
@@ -208,7 +208,7 @@ def breakdown_table(parts: dict[str, int], predicted_peak_bytes: int, device_byt
         The parts are sizes, not one instant: they add up to 1.50 GiB, less than the predicted peak
         of 3.00 GiB; the rest is what the step holds briefly (temporaries, recomputed activations).
     """  # noqa: E501  (a table's lines are longer than code's)
-    from gradckpt.measure.estimate import CUDA_RESERVE
+    from gradckpt.predict.memory_parts import CUDA_RESERVE
     from gradckpt.report import MemoryParts, memory_breakdown_table
 
     memory = MemoryParts(list(parts.items()), predicted_peak_bytes,
@@ -222,9 +222,9 @@ def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.models import mlp_chain
+        >>> from gradckpt.toy_models import mlp_chain
         >>> profile = gradckpt.estimate(mlp_chain(4, 8), torch.randn(16, 8), device="l4")
-        >>> l4 = gradckpt.devices.DEVICES["l4-24gb"]
+        >>> l4 = gradckpt.predict.devices.DEVICES["l4-24gb"]
         >>> print(fit_line(profile, gradckpt.solve(profile, None, "none"), l4))
         fits: predicted peak ... KiB of 22.00 GiB usable on l4-24gb (24.00 GiB less 2.00 GiB for the CUDA context and allocator reserve)
     """  # noqa: E501  (a doctest's output is one line)

@@ -28,7 +28,7 @@ def without_optimizer_note(model: nn.Module, optimizer: str | None) -> str | Non
         True
     """
     from gradckpt.budget import format_bytes
-    from gradckpt.reserved import optimizer_state_bytes
+    from gradckpt.measure.training_state import optimizer_state_bytes
 
     if optimizer is not None:
         return None
@@ -49,7 +49,7 @@ def memory_parts(
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.models import mlp_chain
+        >>> from gradckpt.toy_models import mlp_chain
         >>> model = mlp_chain(4, 8)
         >>> profile = gradckpt.profile(model, torch.randn(16, 8), repeats=1)
         >>> plan = gradckpt.solve(profile, None, "sqrt")

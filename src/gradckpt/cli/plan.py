@@ -155,8 +155,8 @@ def _measuring_device(name: str | None) -> torch.device:
 
 
 def _is_target_device(name: str) -> bool:
-    from gradckpt.devices import THIS, device_spec
     from gradckpt.errors import UsageError
+    from gradckpt.predict.devices import THIS, device_spec
 
     if name.strip().lower() == THIS:
         return True

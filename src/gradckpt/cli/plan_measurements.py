@@ -7,7 +7,7 @@ columns compare with the predicted ones.
 Example:
     >>> import torch
     >>> import gradckpt
-    >>> from gradckpt.models import GPTConfig, TinyGPT
+    >>> from gradckpt.toy_models import GPTConfig, TinyGPT
     >>> model = TinyGPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_embd=16))
     >>> tokens = torch.randint(0, model.config.vocab_size, (2, 9))
     >>> sample = {"idx": tokens[:, :-1], "targets": tokens[:, 1:]}

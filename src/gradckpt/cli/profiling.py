@@ -24,7 +24,7 @@ def profile_with_bar(model: nn.Module, sample: Any, **options: Any) -> Profile:
 
     Example:
         >>> import torch
-        >>> from gradckpt.models import mlp_chain
+        >>> from gradckpt.toy_models import mlp_chain
         >>> len(profile_with_bar(mlp_chain(3, 8), torch.randn(4, 8), repeats=1).blocks)
         3
     """

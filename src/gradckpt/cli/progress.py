@@ -98,7 +98,7 @@ def progress_bar(
 
     Example:
         >>> import gradckpt
-        >>> from gradckpt.models import mlp_chain
+        >>> from gradckpt.toy_models import mlp_chain
         >>> import torch
         >>> with progress_bar("gradckpt: profiling") as report:  # quick: nothing shown
         ...     measured = gradckpt.profile(mlp_chain(2, 8), torch.randn(4, 8), progress=report)

@@ -81,7 +81,7 @@ def _measure_chain_block(size: DemoSize, seed: int) -> BlockProfile:
     """The profile of one MLP block, measured inside a short chain (its inner block)."""
     import torch
 
-    from gradckpt.models import mlp_chain
+    from gradckpt.toy_models import mlp_chain
 
     torch.manual_seed(seed)
     chain = mlp_chain(4, size.chain_width)
@@ -102,7 +102,7 @@ def _measured_memory(
     import gradckpt
     from gradckpt.cost import simulate
     from gradckpt.measure import measure_peak_bytes
-    from gradckpt.models import mlp_chain
+    from gradckpt.toy_models import mlp_chain
 
     torch.manual_seed(seed)
     chain = mlp_chain(depth, size.chain_width)

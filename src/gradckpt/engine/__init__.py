@@ -46,6 +46,7 @@ R5. Recomputation raises ``_RecomputationComplete`` the moment the last slot is 
 # engine's underscore names, so that the engine's insides can change without them.
 from .ambient import AutocastSnapshot, RngSnapshot
 from .debug import debug_mode
+from .fates import Fate, Policy, PolicyLike, is_matmul_or_attention, offload_matmuls, save_matmuls
 from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
 from .region import checkpoint
 from .segments import SegmentsHandle, checkpoint_segments, continues_chain
@@ -59,6 +60,9 @@ __all__ = [
     "uncheckpoint_module",
     "is_checkpointed",
     "debug_mode",
+    "Fate",
+    "save_matmuls",
+    "offload_matmuls",
     # internal interface for gradckpt's own stages
     "AutocastSnapshot",
     "RngSnapshot",
@@ -69,4 +73,7 @@ __all__ = [
     "detached_like",
     "first_tensor",
     "storage_key",
+    "Policy",
+    "PolicyLike",
+    "is_matmul_or_attention",
 ]

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ..policies import Fate, PolicyLike, resolve_policy
+from .fates import Fate, PolicyLike, resolve_policy
 
 __all__ = ["compiling", "torch_checkpoint"]
 

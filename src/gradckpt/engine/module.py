@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from ..policies import PolicyLike, resolve_policy
+from .fates import PolicyLike, resolve_policy
 from .region import _run_checkpointed
 from .suspension import _handles_on, _standing_aside
 

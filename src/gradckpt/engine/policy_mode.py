@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import UsageError
-from ..policies import Fate
 from .debug import _user_frame
+from .fates import Fate
 from .offload import _Offloaded
 from .tensors import (
     _alias_sharing_version,

@@ -14,9 +14,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import CheckpointError, UsageError, warn_once
-from ..policies import Policy, PolicyLike, resolve_policy
 from .ambient import _AmbientState, _BufferGuard
 from .debug import _debug_state, _first_divergence
+from .fates import Policy, PolicyLike, resolve_policy
 from .policy_mode import _OpRecord, _PolicyMode
 from .tensors import _describe, _engine_internal, _metadata, _producer, _version_of
 

@@ -45,9 +45,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import UsageError
-from ..policies import PolicyLike, resolve_policy
 from .compiled import compiling, torch_checkpoint
 from .debug import _debug_state
+from .fates import PolicyLike, resolve_policy
 from .module import replace_forward
 from .policy_mode import _PolicyMode
 from .region import _Region, _unpack

@@ -2,7 +2,7 @@
 
 The core imports none of them: each reaches into one outside library, which stays optional.
 What the core must have done to a model of their kind reaches it through the adapters they
-register (``gradckpt.adapters``); ``gradckpt`` imports this package to register them.
+register (``gradckpt.ecosystem_hooks``); ``gradckpt`` imports this package to register them.
 """
 
 from . import hf  # noqa: F401  (registers its adapter: caches off while gradckpt works)

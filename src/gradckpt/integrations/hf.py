@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..adapters import Occasion, register_adapter
+from ..ecosystem_hooks import Occasion, register_adapter
 from ..errors import did_you_mean, warn_once
 
 if TYPE_CHECKING:
@@ -94,7 +94,8 @@ def _switched_off(objects: list[Any], attribute: str) -> Callable[[], None]:
 def adapt_transformers(model: nn.Module, occasion: Occasion) -> Callable[[], None] | None:
     """What a Hugging Face model needs while gradckpt measures it or a plan is applied to it.
 
-    Registered as an adapter (``gradckpt.adapters``), so ``profile``, ``apply`` and ``enable``
+    Registered as an ecosystem hook (``gradckpt.ecosystem_hooks``), so ``profile``, ``apply``
+    and ``enable``
     run it on every model and ``disable`` undoes it. It changes, and puts back:
 
     1. The key/value cache is off in every forward pass with gradients enabled (training),
@@ -115,7 +116,7 @@ def adapt_transformers(model: nn.Module, occasion: Occasion) -> Callable[[], Non
 
     Example:
         >>> import torch, transformers, gradckpt
-        >>> from gradckpt.adapters import Occasion
+        >>> from gradckpt.ecosystem_hooks import Occasion
         >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
         >>> model = transformers.GPT2LMHeadModel(config)
         >>> undo = adapt_transformers(model, Occasion(plan_applied=True, recomputes=True))

@@ -26,11 +26,11 @@ from torch import nn
 from ..apply import apply
 from ..budget import check_budget, format_bytes, rounded_up_budget
 from ..budget_watch import watch_of
+from ..distributed import agreed_on_every_rank
 from ..errors import BudgetError, UsageError
 from ..measure import infer_device, profile
 from ..plan import Plan
 from ..profile_types import Profile
-from ..ranks import agreed_on_every_rank
 from ..solvers import BUDGET_DRIVEN, STRATEGIES, solve
 
 __all__ = ["GradckptCallback"]

@@ -2,8 +2,8 @@
 
 - ``profile``: one real training step of the model, and each block of its chain on its own
   (``profile.py`` assembles what the package's other modules measure).
-- ``estimate``: the same on fake tensors, for a model or device this machine does not have
-  (``estimate.py``; times from ``clock.ModeledClock``).
+- ``clock``: what every timing here reads: the wall clock, or the modeled one that
+  ``gradckpt.predict`` enters to run this same measuring on fake tensors.
 - ``find_blocks`` / ``resolve_blocks``: the chain of blocks checkpointing works on.
 - ``MemoryMeter``: bytes allocated on a device now and at their highest (the caching allocator
   on CUDA, MemTracker on CPU, models with frozen parameters included); ``measure_peak_bytes``
@@ -24,9 +24,8 @@ Example:
     True
 """
 
-from .blocks import find_blocks, resolve_blocks
+from .chain import find_blocks, resolve_blocks
 from .device import infer_device
-from .estimate import estimate
 from .meter import MemoryMeter, measure_peak_bytes
 from .peak import PeakMemory, peak_memory
 from .profile import profile
@@ -34,7 +33,6 @@ from .step import loss_of, run_model, training_step
 
 __all__ = [
     "profile",
-    "estimate",
     "find_blocks",
     "resolve_blocks",
     "MemoryMeter",

@@ -1,12 +1,10 @@
 """The clock measuring reads: the wall clock, or, for ``estimate``, time modeled per operation.
 
 ``profile`` times a real step with ``time.perf_counter``. ``estimate`` runs the same measuring
-code on fake tensors, where an operation takes no time worth knowing; there a ``ModeledClock``
-is active, and ``now()`` reads the seconds the operations dispatched so far would take on the
-target device: per ATen operation, a roofline, the larger of its FLOPs over the device's dense
-throughput for its dtype and the bytes it reads and writes over the memory bandwidth (FLOPs
-from ``torch.utils.flop_counter``'s registry; views move no bytes). A roofline is the fastest
-the device could go: real kernels reach part of it.
+code on fake tensors, where an operation takes no time worth knowing; there a modeled clock
+(``gradckpt.predict.clock.ModeledClock``) is active, and ``now()`` reads the seconds the
+operations dispatched so far would take on the target device. This module is only the switch
+between the two, so that measuring needs nothing of prediction.
 """
 
 from __future__ import annotations
@@ -15,38 +13,35 @@ import threading
 import time
 from typing import Any, Protocol
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
-
-__all__ = ["ModeledClock", "Roofline", "modeled", "modeled_device_kind", "now"]
+__all__ = ["ModeledTime", "entered", "left", "modeled", "modeled_device_kind", "now"]
 
 
-class Roofline(Protocol):
-    """What the modeled clock needs of a device (``gradckpt.devices.DeviceSpec`` has it)."""
+class ModeledTime(Protocol):
+    """What ``now()`` reads of a modeled clock: the seconds modeled so far, and the device
+    they are modeled for (its ``kind``, ``"cuda"`` or ``"cpu"``, if it says)."""
 
-    def seconds(self, flops: float, bytes_moved: float, dtype: torch.dtype) -> float: ...
+    elapsed: float
+    device: Any
 
 
 class _ActiveClocks(threading.local):
     """The modeled clocks entered on this thread, innermost last. Per thread, as torch's
-    dispatch modes are: a ``ModeledClock`` counts this thread's operations only, so another
+    dispatch modes are: a modeled clock counts this thread's operations only, so another
     thread profiling a real model at the same time must keep reading the wall clock."""
 
     def __init__(self) -> None:
-        self.stack: list[ModeledClock] = []
+        self.stack: list[ModeledTime] = []
 
     def __bool__(self) -> bool:
         return bool(self.stack)
 
-    def __getitem__(self, index: int) -> ModeledClock:
+    def __getitem__(self, index: int) -> ModeledTime:
         return self.stack[index]
 
-    def append(self, clock: ModeledClock) -> None:
+    def append(self, clock: ModeledTime) -> None:
         self.stack.append(clock)
 
-    def remove(self, clock: ModeledClock) -> None:
+    def remove(self, clock: ModeledTime) -> None:
         self.stack.remove(clock)
 
 
@@ -54,19 +49,19 @@ _active = _ActiveClocks()
 
 
 def now() -> float:
-    """Seconds on the active clock: the modeled one inside ``ModeledClock``, else the wall's."""
+    """Seconds on the active clock: the innermost modeled one, else the wall's."""
     if _active:
         return _active[-1].elapsed
     return time.perf_counter()
 
 
 def modeled() -> bool:
-    """Whether ``now()`` reads a ``ModeledClock`` (the step runs on fake tensors)."""
+    """Whether ``now()`` reads a modeled clock (the step runs on fake tensors)."""
     return bool(_active)
 
 
 def modeled_device_kind() -> str | None:
-    """The kind of device (``"cuda"``, ``"cpu"``) the active ``ModeledClock`` times, if it
+    """The kind of device (``"cuda"``, ``"cpu"``) the active modeled clock times, if it
     says (``DeviceSpec.kind``); None outside one. Code that picks an implementation by device
     (an optimizer's ``foreach``) picks the target's, not the fake tensors' CPU."""
     if not _active:
@@ -74,63 +69,11 @@ def modeled_device_kind() -> str | None:
     return getattr(_active[-1].device, "kind", None)
 
 
-class ModeledClock(TorchDispatchMode):
-    """While active, every ATen operation advances ``elapsed`` by its roofline time on
-    ``device``; ``now()`` reads it. Enter it inside the ``FakeTensorMode`` the step runs in.
-
-    Example:
-        >>> import torch
-        >>> class Device:  # 1 TFLOP/s, 1 GB/s
-        ...     def seconds(self, flops, bytes_moved, dtype):
-        ...         return max(flops / 1e12, bytes_moved / 1e9)
-        >>> a = torch.randn(1000, 1000)
-        >>> with ModeledClock(Device()) as clock:
-        ...     _ = a @ a  # 2e9 FLOPs (2 ms), 12 MB read and written (12 ms)
-        >>> round(clock.elapsed, 4), clock.flops
-        (0.012, 2000000000)
-    """
-
-    def __init__(self, device: Roofline) -> None:
-        super().__init__()
-        self.device = device
-        self.elapsed = 0.0
-        self.flops = 0
-        self.bytes_moved = 0
-        self.attention_kernels: set[str] = set()  # which fused attention ran, if any
-
-    def __enter__(self) -> ModeledClock:
-        _active.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        _active.remove(self)
-        super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        output = func(*args, **kwargs)
-        if "attention" in func.overloadpacket.__name__:
-            self.attention_kernels.add(func.overloadpacket.__name__)
-        if func.is_view or func.overloadpacket in _FREE:
-            return output
-        flops = 0
-        count = flop_registry.get(func.overloadpacket)
-        if count is not None:
-            flops = count(*args, **kwargs, out_val=output)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
-        dtype = next((t.dtype for t in (*outputs, *inputs) if t.is_floating_point()),
-                     torch.float32)
-        self.flops += flops
-        self.bytes_moved += moved
-        self.elapsed += self.device.seconds(flops, moved, dtype)
-        return output
+def entered(clock: ModeledTime) -> None:
+    """``clock`` is now what ``now()`` reads on this thread (until ``left(clock)``)."""
+    _active.append(clock)
 
 
-# Operations that only make or describe tensors: an allocation, not a kernel worth timing.
-_FREE = {
-    torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
-    torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten._local_scalar_dense,
-    torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.sym_numel,
-}
+def left(clock: ModeledTime) -> None:
+    """``clock`` is no longer read; the one entered before it, or the wall clock, is."""
+    _active.remove(clock)

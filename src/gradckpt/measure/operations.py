@@ -11,8 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..engine import storage_key
-from ..policies import is_matmul_or_attention
+from ..engine import is_matmul_or_attention, storage_key
 from . import clock
 from .recording import BlockCall
 from .tensors import tensor_bytes

@@ -9,7 +9,7 @@ copies of the trainable parameters (``FakeTensorMode``: shapes and dtypes, no me
 meter reads the second step, as it would read the user's step 2. The model is not touched.
 
 An optimizer the replica cannot be made of (bitsandbytes' 8-bit ones, a class whose constructor
-takes other arguments) is counted as ``gradckpt.reserved`` counts it, its temporaries unknown
+takes other arguments) is counted as ``training_state`` counts it, its temporaries unknown
 (``OptimizerStep.measured`` is False).
 """
 
@@ -25,13 +25,13 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import UsageError
-from ..reserved import (
+from .meter import MemoryMeter
+from .tensors import tensor_bytes
+from .training_state import (
     OPTIMIZER_STATE_BYTES_PER_PARAMETER,
     OPTIMIZER_STATES_PER_PARAMETER,
     optimizer_state_bytes,
 )
-from .meter import MemoryMeter
-from .tensors import tensor_bytes
 
 __all__ = ["OptimizerStep", "OPTIMIZER_NAMES", "check_optimizer", "measure_optimizer_step"]
 

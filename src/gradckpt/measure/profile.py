@@ -39,16 +39,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import adapted
+from ..ecosystem_hooks import adapted
 from ..engine import first_tensor, plans_suspended, storage_key
 from ..errors import UsageError
 from ..profile_types import BlockProfile, Profile
-from ..reserved import accumulated_gradient_bytes
 from . import clock
-from .block import measure_block
-from .blocks import resolve_blocks
+from .chain import resolve_blocks
 from .device import infer_device
 from .model_state import buffers_and_rng_preserved, gradients_preserved
+from .one_block import measure_block
 from .optimizer_step import OptimizerStep, check_optimizer, measure_optimizer_step
 from .recording import Recording, record_block_calls
 from .side_inputs import with_side_inputs
@@ -57,6 +56,7 @@ from .step_memory import StepMemory
 from .tensors import tensor_bytes, tensors_in
 from .timing import BlockForwardTimer, block_kind, median_seconds, pooled_times
 from .torch_checkpoints import torch_checkpoints_watched
+from .training_state import accumulated_gradient_bytes
 
 __all__ = ["profile"]
 
@@ -98,12 +98,12 @@ def profile(
             profiling (the CLI draws a bar with it; ``gradckpt.cli.progress.progress_bar``
             makes one). ``None``: nothing is reported.
 
-    The registered adapters (``gradckpt.adapters``: Hugging Face key/value caches off) run
+    The registered adapters (``gradckpt.ecosystem_hooks``: Hugging Face key/value caches off) run
     while it measures, as they do while a plan is applied.
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.models import GPTConfig, TinyGPT
+        >>> from gradckpt.toy_models import GPTConfig, TinyGPT
         >>> model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
         >>> idx = torch.randint(0, 512, (2, 16))
         >>> measured = gradckpt.profile(model, {"idx": idx, "targets": idx}, repeats=1)

@@ -55,8 +55,7 @@ import torch
 
 from ..cost import gradients_after, side_inputs_held, simulate
 from ..plan import Segment
-from ..policies import PLANNED_POLICY
-from ..profile_types import BlockProfile, Profile
+from ..profile_types import PLANNED_POLICY, BlockProfile, Profile
 from .chen_greedy import solve_chen_greedy
 
 __all__ = [

@@ -11,7 +11,7 @@ Everything here is a plain ``nn.Module`` that reads top to bottom, in the style 
 
 Example:
     >>> import torch
-    >>> from gradckpt.models import GPTConfig, TinyGPT
+    >>> from gradckpt.toy_models import GPTConfig, TinyGPT
     >>> model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> idx = torch.randint(0, 512, (2, 16))
     >>> model(idx).shape

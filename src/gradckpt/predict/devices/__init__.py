@@ -14,7 +14,7 @@ memory bandwidth (``DeviceSpec.seconds``). This module holds those numbers:
 docs/devices.md lists every figure and where it comes from.
 
 Example:
-    >>> from gradckpt.devices import device_spec, format_device
+    >>> from gradckpt.predict.devices import device_spec, format_device
     >>> h100 = device_spec("H100")
     >>> h100.name, h100.memory_bytes == 80 * 2**30
     ('h100-80gb', True)
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError, did_you_mean
+from ...errors import UsageError, did_you_mean
 from .presets import ALIASES, DEVICES
 from .spec import GIB, GIGA, TERA, DeviceSpec
 from .this_machine import THIS, _this_device

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 class Fate(enum.Enum):
@@ -99,10 +99,6 @@ PRESETS: dict[str, Policy] = {
     "save-matmuls": save_matmuls,
     "offload-matmuls": offload_matmuls,
 }
-
-PLANNED_POLICY = "save-matmuls"
-"""The operation-level policy plans choose from: ``profile`` measures each block under it, and
-the optimal solver weighs a segment under it against recomputing everything."""
 
 
 def resolve_policy(policy: PolicyLike) -> Policy | None:

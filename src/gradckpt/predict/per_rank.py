@@ -1,6 +1,6 @@
 """One rank's profile when ranks shard the model: ``gradckpt.estimate(..., world_size=N)``.
 
-``measure.estimate`` predicts one process training the whole model. With FSDP2 (``fully_shard``
+``estimate`` first predicts one process training the whole model. With FSDP2 (``fully_shard``
 on each block of the chain, then on the root, which takes what is left: embeddings, final norm,
 output head) each of ``N`` ranks keeps 1/N of the parameters, gradients and optimizer state, and
 holds more at times. This module turns the single-process profile into one rank's, so that the
@@ -43,21 +43,12 @@ this model). ZeRO-3 shards the same parts with buffers of its own, not measured 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
-import torch
-from torch import nn
+from ..cost import plan_for
+from ..profile_types import BlockProfile, Profile
+from .memory_parts import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 
-from .cost import plan_for
-from .devices import DeviceSpec
-from .errors import UsageError
-from .measure import estimate as estimate_one_process
-from .measure import resolve_blocks
-from .measure.estimate import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
-from .profile_types import BlockProfile, Profile
-
-__all__ = ["estimate", "shard"]
+__all__ = ["BLOCK_PARAMETERS", "shard"]
 
 GATHERED = "gathered in full while a block computes (FSDP)"
 ROOT = "parameters outside the blocks and their gradients, in full (FSDP root)"
@@ -65,59 +56,9 @@ ROOT = "parameters outside the blocks and their gradients, in full (FSDP root)"
 BLOCK_PARAMETERS = "block_parameter_bytes"
 
 
-def estimate(
-    model: nn.Module,
-    sample: Any,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    blocks: Any = None,
-    *,
-    device: str | DeviceSpec | dict | None = "this",
-    optimizer: torch.optim.Optimizer | str | None = None,
-    accumulation_steps: int = 1,
-    world_size: int = 1,
-    dtype: torch.dtype | None = None,
-    autocast: torch.dtype | None = None,
-    keep_output: bool = True,
-    progress: Callable[[int, int], None] | None = None,
-) -> Profile:
-    """Predict what ``gradckpt.profile`` would measure, without running the model for real.
-
-    See ``gradckpt.measure.estimate`` for every argument but ``world_size``: the ranks that
-    shard parameters, gradients and optimizer state as FSDP2 does with ``fully_shard`` on each
-    block and on the root (``shard``); the profile is then one rank's and ``sample`` is one
-    rank's batch.
-
-    Example:
-        >>> import torch, gradckpt
-        >>> from gradckpt.models import GPTConfig, TinyGPT
-        >>> with torch.device("meta"):
-        ...     model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
-        >>> idx = torch.randint(0, 512, (2, 16), device="meta")
-        >>> whole = gradckpt.estimate(model, {"idx": idx, "targets": idx}, device="h100")
-        >>> per_rank = gradckpt.estimate(model, {"idx": idx, "targets": idx}, device="h100",
-        ...                              world_size=4)
-        >>> per_rank.notes["memory_parts"]["parameters"] * 4 == whole.notes["memory_parts"][
-        ...     "parameters"]
-        True
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"world_size must be a positive int (the ranks sharding the model), "
-                         f"got {world_size!r}")
-    predicted = estimate_one_process(
-        model, sample, loss_fn, blocks, device=device, optimizer=optimizer,
-        accumulation_steps=accumulation_steps, dtype=dtype,
-        autocast=autocast, keep_output=keep_output, progress=progress,
-    )
-    if world_size == 1:
-        return predicted
-    named = resolve_blocks(model, [block.name for block in predicted.blocks])
-    predicted.notes[BLOCK_PARAMETERS] = [_parameter_bytes(module, dtype) for _, module in named]
-    return shard(predicted, world_size)
-
-
 def shard(predicted: Profile, world_size: int) -> Profile:
-    """``predicted`` (from ``measure.estimate``) as one of ``world_size`` ranks running FSDP2
-    with ``fully_shard`` on each block and on the root (see the module's docstring).
+    """``predicted`` (from ``estimate`` with one process) as one of ``world_size`` ranks running
+    FSDP2 with ``fully_shard`` on each block and on the root (see the module's docstring).
 
     Each block's parameter bytes come from ``notes["block_parameter_bytes"]`` (``estimate``
     notes them); without them every block is taken to hold
@@ -181,16 +122,6 @@ def shard(predicted: Profile, world_size: int) -> Profile:
     )
     sharded.peak_bytes = plan_for(sharded, "none", None, []).predicted_peak_bytes
     return sharded
-
-
-def _parameter_bytes(module: nn.Module, dtype: torch.dtype | None) -> int:
-    """A module's parameters' bytes, floating ones in ``dtype`` when it is given (as
-    ``estimate`` trains them)."""
-    total = 0
-    for parameter in module.parameters():
-        cast = dtype if dtype is not None and parameter.is_floating_point() else parameter.dtype
-        total += parameter.numel() * cast.itemsize
-    return total
 
 
 def _gathered_per_block(predicted: Profile) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import warn_once
+from ...errors import warn_once
 from .spec import GIB, DeviceSpec
 
 __all__ = ["THIS"]

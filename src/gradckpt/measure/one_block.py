@@ -15,8 +15,7 @@ from torch import nn
 
 from ..engine import checkpoint_segments, first_tensor, storage_key
 from ..errors import UsageError
-from ..policies import PLANNED_POLICY
-from ..profile_types import BlockProfile
+from ..profile_types import PLANNED_POLICY, BlockProfile
 from .meter import MemoryMeter
 from .operations import operations_of
 from .recording import BlockCall

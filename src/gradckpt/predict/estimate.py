@@ -5,7 +5,7 @@ step, each block on its own, the meter), but on fake tensors (``FakeTensorMode``
 has its shape, dtype and storage size and none has memory or values. So the bytes come out as
 ``profile`` measures them (the same recording, the same meter), and the model can be one this
 machine could never hold, built on the meta device. Times come from a ``ModeledClock``: each
-operation's roofline on the target device (``gradckpt.devices``).
+operation's roofline on the target device (``gradckpt.predict.devices``).
 
 The model is left exactly as it was: its parameters and buffers are replaced by fake ones for
 the duration and put back.
@@ -23,22 +23,22 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from ..adapters import ESTIMATING, adapted
-from ..devices import DeviceSpec, device_spec
+from ..ecosystem_hooks import ESTIMATING, adapted
 from ..engine import storage_key
 from ..engine.module import replace_forward
 from ..errors import UsageError
+from ..measure.chain import resolve_blocks
+from ..measure.profile import profile
+from ..measure.step import run_model
+from ..measure.tensors import tensor_bytes
 from ..profile_types import Profile
 from .attention import TargetAttention
-from .blocks import resolve_blocks
 from .clock import ModeledClock
-from .profile import profile
-from .step import run_model
+from .devices import DeviceSpec, device_spec
+from .memory_parts import CUDA_RESERVE, memory_parts
+from .per_rank import BLOCK_PARAMETERS, shard
 
-__all__ = [
-    "ACTIVATIONS", "CUDA_RESERVE", "CUDA_RESERVE_BYTES", "GRADIENTS", "OPTIMIZER_STATE",
-    "PARAMETERS", "estimate", "memory_parts",
-]
+__all__ = ["estimate"]
 
 
 def estimate(
@@ -50,6 +50,7 @@ def estimate(
     device: str | DeviceSpec | dict | None = "this",
     optimizer: torch.optim.Optimizer | str | None = None,
     accumulation_steps: int = 1,
+    world_size: int = 1,
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     keep_output: bool = True,
@@ -63,7 +64,7 @@ def estimate(
         sample: one batch, as for ``profile``; its tensors may be real or on the meta device.
         loss_fn, blocks, keep_output, progress: as for ``profile``.
         device: the device the step will run on: a preset name (``"h100-80gb"``, see
-            ``gradckpt.devices.DEVICES``), ``"this"`` (this machine, its throughput measured
+            ``gradckpt.predict.devices.DEVICES``), ``"this"`` (this machine, its throughput measured
             once), a ``DeviceSpec`` or a dict of numbers. Only times depend on it.
         optimizer, accumulation_steps: as for ``profile``: the optimizer's state, alive from
             the second step on, is counted in ``fixed_bytes`` (so every plan solved from this
@@ -72,6 +73,9 @@ def estimate(
             ``"adamw"`` / ``"adam"`` (two moments per trainable parameter), ``"sgd"`` (none),
             ``"adamw-8bit"`` (bitsandbytes: two bytes per parameter, counted), an optimizer
             object, or ``None`` (no optimizer step).
+        world_size: the ranks that shard parameters, gradients and optimizer state as FSDP2
+            does with ``fully_shard`` on each block and on the root (``per_rank.shard``); the
+            profile is then one rank's and ``sample`` is one rank's batch.
         dtype: train in this floating dtype (parameters and floating buffers cast, as
             ``model.to(dtype)`` would); default: as the model is.
         autocast: mixed precision as ``torch.autocast`` (and Accelerate, and the Trainer's
@@ -88,14 +92,14 @@ def estimate(
     ``notes["device_usable_bytes"]``; ``notes["attention"]`` names the attention kernels the
     step ran: on a GPU target, each ``scaled_dot_product_attention`` call runs the kernel
     PyTorch would pick on that GPU (cuDNN, FlashAttention-2, memory-efficient or the math
-    path: ``gradckpt.measure.attention``), so the bytes it saves are the target's.
+    path: ``gradckpt.predict.attention``), so the bytes it saves are the target's.
     ``notes["estimated_for"]`` names the device, and the
     times are rooflines (the fastest the device could run each operation): an extra time
     predicted from them is a share of the step, which real kernels keep better than seconds.
 
     Example:
         >>> import torch, gradckpt
-        >>> from gradckpt.models import GPTConfig, TinyGPT
+        >>> from gradckpt.toy_models import GPTConfig, TinyGPT
         >>> with torch.device("meta"):  # no memory for weights
         ...     model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
         >>> idx = torch.randint(0, 512, (2, 16), device="meta")
@@ -103,6 +107,9 @@ def estimate(
         >>> predicted.blocks[0].input_bytes == 2 * 16 * 32 * 4, predicted.notes["estimated_for"]
         (True, 'h100-80gb')
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size must be a positive int (the ranks sharding the model), "
+                         f"got {world_size!r}")
     spec = device_spec(device)
     for name, value in (("dtype", dtype), ("autocast", autocast)):
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
@@ -129,11 +136,10 @@ def estimate(
         parts = memory_parts(model, predicted, predicted.optimizer_state_bytes, spec)
         if copies:
             parts["mixed-precision copies of the parameters"] = copies
-        predicted.notes["largest_block_parameter_bytes"] = max(
-            (sum(p.numel() * p.element_size() for p in module.parameters())
-             for _, module in resolve_blocks(model, [b.name for b in predicted.blocks])),
-            default=0,
-        )
+        block_parameter_bytes = [
+            sum(tensor_bytes(p) for p in module.parameters())
+            for _, module in resolve_blocks(model, [b.name for b in predicted.blocks])]
+        predicted.notes["largest_block_parameter_bytes"] = max(block_parameter_bytes, default=0)
     predicted.device = spec.kind
     predicted.notes["attention"] = _attention_note(clock, target, spec)
     predicted.notes.update(
@@ -142,7 +148,10 @@ def estimate(
         largest_part=max(parts, key=parts.get),
         device_usable_bytes=spec.memory_bytes - parts.get(CUDA_RESERVE, 0),
     )
-    return predicted
+    if world_size == 1:
+        return predicted
+    predicted.notes[BLOCK_PARAMETERS] = block_parameter_bytes
+    return shard(predicted, world_size)
 
 
 _KERNEL_NAMES = {
@@ -165,42 +174,6 @@ def _attention_note(clock: ModeledClock, target: TargetAttention | None, spec: D
     ran = sorted(k for k in clock.attention_kernels if not k.endswith("_backward"))
     return (", ".join(ran) if ran
             else "no fused attention kernel ran (any attention was matmuls and softmax)")
-
-
-# What a process on a GPU loses before its first tensor and never sees in
-# max_memory_allocated(): the CUDA context (kernels, cuBLAS/cuDNN workspaces: 0.5-1 GiB on
-# recent GPUs and drivers) and the caching allocator's fragmentation. A fixed allowance.
-CUDA_RESERVE = "CUDA context and allocator reserve (outside the peak)"
-# The names of the parts that sharding divides among ranks (gradckpt.sharding) and the command
-# line looks up.
-PARAMETERS = "parameters"
-GRADIENTS = "gradients (trainable parameters)"
-OPTIMIZER_STATE = "optimizer state"
-ACTIVATIONS = "activations kept for backward (no checkpointing)"
-CUDA_RESERVE_BYTES = 2 * 2**30
-
-
-def memory_parts(
-    model: nn.Module, predicted: Profile, optimizer_bytes: int, spec: DeviceSpec
-) -> dict[str, int]:
-    """The step's memory by what it is for (sizes, not one instant: they need not sum to the
-    peak, since activations are freed as gradients are made)."""
-
-    def size(p: torch.Tensor) -> int:
-        return p.numel() * p.element_size()
-
-    unique = {id(p): p for p in model.parameters()}.values()
-    parts = {
-        PARAMETERS: sum(size(p) for p in unique),
-        GRADIENTS: sum(size(p) for p in unique if p.requires_grad),
-        OPTIMIZER_STATE: optimizer_bytes,
-        ACTIVATIONS: sum(
-            b.saved_bytes + b.side_bytes for b in predicted.blocks),
-        "logits, loss and their gradients (the output head)": predicted.head_bytes,
-    }
-    if spec.kind == "cuda":
-        parts[CUDA_RESERVE] = CUDA_RESERVE_BYTES
-    return {name: value for name, value in parts.items() if value}
 
 
 def _fake(tensor: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> torch.Tensor:
@@ -276,7 +249,7 @@ class _ParameterCasts(TorchDispatchMode):
         if func.overloadpacket is torch.ops.aten._to_copy and args:
             key = storage_key(args[0])
             if key in self.parameters and isinstance(output, torch.Tensor):
-                self.cast[key] = output.numel() * output.element_size()
+                self.cast[key] = tensor_bytes(output)
         return output
 
 

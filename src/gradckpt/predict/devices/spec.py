@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 __all__ = ["DeviceSpec"]
 
@@ -149,7 +149,7 @@ class DeviceSpec:
 
         Example:
             >>> import torch
-            >>> from gradckpt.devices import DEVICES
+            >>> from gradckpt.predict.devices import DEVICES
             >>> h100 = DEVICES["h100-80gb"]
             >>> round(h100.seconds(989.5e12, 0, torch.bfloat16), 9)  # one second of bf16 math
             1.0

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = [
     "OPTIMIZER_STATES_PER_PARAMETER", "OPTIMIZER_STATE_BYTES_PER_PARAMETER",

@@ -36,7 +36,7 @@ which ``resolve_blocks`` checks and turns into ``(name, module)`` pairs.
 Example:
     >>> import torch
     >>> from gradckpt.measure import find_blocks
-    >>> from gradckpt.models import GPTConfig, TinyGPT
+    >>> from gradckpt.toy_models import GPTConfig, TinyGPT
     >>> model = TinyGPT(GPTConfig(n_layer=3, n_embd=32, n_head=2))
     >>> [name for name, _ in find_blocks(model)]
     ['transformer.h.0', 'transformer.h.1', 'transformer.h.2']
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import adapted
+from ..ecosystem_hooks import adapted
 from ..errors import UsageError, did_you_mean
 from .model_state import buffers_and_rng_preserved
 from .step import run_model
@@ -83,12 +83,12 @@ def find_blocks(model: nn.Module, sample: Any = None) -> list[tuple[str, nn.Modu
     takes it), the model runs its forward pass on it once under ``torch.no_grad()`` and the
     blocks come in the order they first ran. The run leaves no trace: buffers (BatchNorm's
     running statistics) and the CPU and CUDA RNG state are put back, hooks removed, and the
-    registered adapters (``gradckpt.adapters``: Hugging Face caches off) run meanwhile. Blocks
-    that do not run on the sample raise ``UsageError``, naming them.
+    registered ecosystem hooks (``gradckpt.ecosystem_hooks``: Hugging Face caches off) run
+    meanwhile. Blocks that do not run on the sample raise ``UsageError``, naming them.
 
     Example:
         >>> import torch
-        >>> from gradckpt.models import mlp_chain
+        >>> from gradckpt.toy_models import mlp_chain
         >>> [name for name, _ in find_blocks(mlp_chain(depth=3, width=8))]
         ['0', '1', '2']
         >>> encoder = torch.nn.TransformerEncoder(

@@ -1,0 +1,91 @@
+"""The modeled clock ``estimate`` times a step with: a roofline per operation on the target.
+
+While a ``ModeledClock`` is active (inside the ``FakeTensorMode`` the step runs in), measuring's
+``now()`` (``gradckpt.measure.clock``) reads the seconds the operations dispatched so far would
+take on the target device: per ATen operation, a roofline, the larger of its FLOPs over the
+device's dense throughput for its dtype and the bytes it reads and writes over the memory
+bandwidth (FLOPs from ``torch.utils.flop_counter``'s registry; views move no bytes). A
+roofline is the fastest the device could go: real kernels reach part of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from ..measure import clock
+from ..measure.tensors import tensor_bytes
+
+__all__ = ["ModeledClock", "Roofline"]
+
+
+class Roofline(Protocol):
+    """What the modeled clock needs of a device (``gradckpt.predict.devices.DeviceSpec`` has it)."""
+
+    def seconds(self, flops: float, bytes_moved: float, dtype: torch.dtype) -> float: ...
+
+
+class ModeledClock(TorchDispatchMode):
+    """While active, every ATen operation advances ``elapsed`` by its roofline time on
+    ``device``; ``now()`` reads it. Enter it inside the ``FakeTensorMode`` the step runs in.
+
+    Example:
+        >>> import torch
+        >>> class Device:  # 1 TFLOP/s, 1 GB/s
+        ...     def seconds(self, flops, bytes_moved, dtype):
+        ...         return max(flops / 1e12, bytes_moved / 1e9)
+        >>> a = torch.randn(1000, 1000)
+        >>> with ModeledClock(Device()) as modeled:
+        ...     _ = a @ a  # 2e9 FLOPs (2 ms), 12 MB read and written (12 ms)
+        >>> round(modeled.elapsed, 4), modeled.flops
+        (0.012, 2000000000)
+    """
+
+    def __init__(self, device: Roofline) -> None:
+        super().__init__()
+        self.device = device
+        self.elapsed = 0.0
+        self.flops = 0
+        self.bytes_moved = 0
+        self.attention_kernels: set[str] = set()  # which fused attention ran, if any
+
+    def __enter__(self) -> ModeledClock:
+        clock.entered(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        clock.left(self)
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        if "attention" in func.overloadpacket.__name__:
+            self.attention_kernels.add(func.overloadpacket.__name__)
+        if func.is_view or func.overloadpacket in _FREE:
+            return output
+        flops = 0
+        count = flop_registry.get(func.overloadpacket)
+        if count is not None:
+            flops = count(*args, **kwargs, out_val=output)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        moved = sum(tensor_bytes(t) for t in (*inputs, *outputs))
+        dtype = next((t.dtype for t in (*outputs, *inputs) if t.is_floating_point()),
+                     torch.float32)
+        self.flops += flops
+        self.bytes_moved += moved
+        self.elapsed += self.device.seconds(flops, moved, dtype)
+        return output
+
+
+# Operations that only make or describe tensors: an allocation, not a kernel worth timing.
+_FREE = {
+    torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
+    torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten._local_scalar_dense,
+    torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.sym_numel,
+}
