@@ -2,11 +2,11 @@
 
 ``apply(model, plan)`` finds the plan's blocks in the model by name and checkpoints the plan's
 segments (nested ones included) with ``gradckpt.engine.segments.checkpoint_segments``: hooks
-on the blocks, and the registered adapters run (``gradckpt.ecosystem_hooks``: Hugging Face key/value
-caches off), nothing else. The adapters run for the plan "none" too: ``profile`` measured the
-step adapted (a T5 training step holds 1.7% more with its cache on), so the model runs as
-predicted. Parameters, their names, ``state_dict`` keys and outputs do not change.
-``disable(model)`` removes the hooks and undoes the adapters: the model runs exactly as
+on the blocks, and the registered ecosystem hooks run (``gradckpt.ecosystem_hooks``: Hugging
+Face key/value caches off), nothing else. The hooks run for the plan "none" too: ``profile``
+measured the step with them (a T5 training step holds 1.7% more with its cache on), so the
+model runs as predicted. Parameters, their names, ``state_dict`` keys and outputs do not change.
+``disable(model)`` removes the hooks and undoes the ecosystem hooks: the model runs exactly as
 before.
 """
 
@@ -20,7 +20,7 @@ from typing import NamedTuple
 from torch import nn
 
 from .budget_watch import watch_budget
-from .ecosystem_hooks import Occasion, adapt
+from .ecosystem_hooks import Occasion, run_ecosystem_hooks
 from .engine import SegmentsHandle, checkpoint_segments
 from .errors import UsageError
 from .measure import resolve_blocks
@@ -31,11 +31,11 @@ __all__ = ["apply", "disable", "get_plan", "replacing_plan"]
 
 class _Installed(NamedTuple):
     """What ``apply`` installed on a model: the plan, the segments' hooks (None for a plan
-    without segments) and how to undo the adapters."""
+    without segments) and how to undo the ecosystem hooks."""
 
     plan: Plan
     handle: SegmentsHandle | None
-    undo_adapters: Callable[[], None]
+    undo_ecosystem_hooks: Callable[[], None]
     unwatch: Callable[[], None]
 
 
@@ -100,13 +100,14 @@ def apply(model: nn.Module, plan: Plan) -> None:
     try:
         # As the profile measured the step (recomputed layers would append to a key/value
         # cache twice, for one), and so that the model's ecosystem knows (integrations.hf).
-        undo_adapters = adapt(model, Occasion(plan_applied=True, recomputes=bool(flat)))
+        undo_ecosystem_hooks = run_ecosystem_hooks(
+            model, Occasion(plan_applied=True, recomputes=bool(flat)))
     except BaseException:
         if handle is not None:  # all or nothing: no hooks without their record
             handle.remove()
         raise
     # On CUDA, the first training steps are checked against the budget (budget_watch).
-    _installed[model] = _Installed(plan, handle, undo_adapters, watch_budget(model, plan))
+    _installed[model] = _Installed(plan, handle, undo_ecosystem_hooks, watch_budget(model, plan))
 
 
 def disable(model: nn.Module) -> None:
@@ -123,7 +124,7 @@ def disable(model: nn.Module) -> None:
         installed = _installed.pop(planned)
         if installed.handle is not None:
             installed.handle.remove()
-        installed.undo_adapters()
+        installed.undo_ecosystem_hooks()
         installed.unwatch()
 
 

@@ -1,28 +1,29 @@
-"""Model adapters: what an ecosystem needs done to a model while gradckpt works on it.
+"""Ecosystem hooks: what an ecosystem needs done to a model while gradckpt works on it.
 
 The core knows no model family. An integration that knows one (``gradckpt.integrations.hf``:
-Hugging Face's key/value cache off) registers an adapter here, and the core runs every
-registered adapter around its work on a model: while ``profile`` measures it, and while a plan
-is applied (from ``apply`` to ``disable``).
+Hugging Face's key/value cache off) registers a hook here, and the core runs every registered
+hook around its work on a model: while ``profile`` measures it, and while a plan is applied
+(from ``apply`` to ``disable``). (Not to be confused with LoRA adapters, which are ordinary
+trainable modules to gradckpt.)
 
-An adapter is a callable ``adapter(model, occasion)``: it changes what the model needs changed
-and returns a function that puts it back, or ``None`` when it changed nothing (the model is not
-of its kind). ``occasion`` (an ``Occasion``) says why gradckpt holds the model: measuring it, or
+A hook is a callable ``hook(model, occasion)``: it changes what the model needs changed and
+returns a function that puts it back, or ``None`` when it changed nothing (the model is not of
+its kind). ``occasion`` (an ``Occasion``) says why gradckpt holds the model: measuring it, or
 training it under a plan, and whether that plan recomputes anything.
 
 Example:
     >>> import torch
     >>> events = []
     >>> def note(model, occasion):
-    ...     events.append(f"adapted, plan applied: {occasion.plan_applied}")
+    ...     events.append(f"hooked, plan applied: {occasion.plan_applied}")
     ...     return lambda: events.append("restored")
-    >>> register_adapter(note)
-    >>> with adapted(torch.nn.Linear(1, 1)):
+    >>> register_ecosystem_hook(note)
+    >>> with ecosystem_hooks_on(torch.nn.Linear(1, 1)):
     ...     print(events)
-    ['adapted, plan applied: False']
+    ['hooked, plan applied: False']
     >>> events
-    ['adapted, plan applied: False', 'restored']
-    >>> unregister_adapter(note)
+    ['hooked, plan applied: False', 'restored']
+    >>> unregister_ecosystem_hook(note)
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from dataclasses import dataclass
 from torch import nn
 
 __all__ = [
-    "Adapter", "ESTIMATING", "MEASURING", "Occasion", "register_adapter", "unregister_adapter",
-    "adapt", "adapted",
+    "ESTIMATING", "MEASURING", "EcosystemHook", "Occasion", "ecosystem_hooks_on",
+    "register_ecosystem_hook", "run_ecosystem_hooks", "unregister_ecosystem_hook",
 ]
 
 
@@ -58,30 +59,28 @@ class Occasion:
 MEASURING = Occasion()
 ESTIMATING = Occasion(fake_tensors=True)
 
-Adapter = Callable[[nn.Module, Occasion], "Callable[[], None] | None"]
+EcosystemHook = Callable[[nn.Module, Occasion], "Callable[[], None] | None"]
 
-_ADAPTERS: list[Adapter] = []
-
-
-def register_adapter(adapter: Adapter) -> None:
-    """Run ``adapter`` on every model gradckpt measures or applies a plan to (once, however
-    often it is registered)."""
-    if adapter not in _ADAPTERS:
-        _ADAPTERS.append(adapter)
+_HOOKS: list[EcosystemHook] = []
 
 
-def unregister_adapter(adapter: Adapter) -> None:
-    """Stop running ``adapter``; nothing happens if it was not registered."""
-    if adapter in _ADAPTERS:
-        _ADAPTERS.remove(adapter)
+def register_ecosystem_hook(hook: EcosystemHook) -> None:
+    """Run ``hook`` on every model gradckpt measures or applies a plan to (once, however often
+    it is registered)."""
+    if hook not in _HOOKS:
+        _HOOKS.append(hook)
 
 
-def adapt(model: nn.Module, occasion: Occasion = MEASURING) -> Callable[[], None]:
-    """Run every registered adapter on ``model``; return a function undoing them all, the last
+def unregister_ecosystem_hook(hook: EcosystemHook) -> None:
+    """Stop running ``hook``; nothing happens if it was not registered."""
+    if hook in _HOOKS:
+        _HOOKS.remove(hook)
+
+
+def run_ecosystem_hooks(model: nn.Module, occasion: Occasion = MEASURING) -> Callable[[], None]:
+    """Run every registered hook on ``model``; return a function undoing them all, the last
     one first."""
-    undos = [
-        undo for adapter in list(_ADAPTERS) if (undo := adapter(model, occasion)) is not None
-    ]
+    undos = [undo for hook in list(_HOOKS) if (undo := hook(model, occasion)) is not None]
 
     def restore() -> None:
         for undo in reversed(undos):
@@ -91,9 +90,9 @@ def adapt(model: nn.Module, occasion: Occasion = MEASURING) -> Callable[[], None
 
 
 @contextlib.contextmanager
-def adapted(model: nn.Module, occasion: Occasion = MEASURING) -> Iterator[None]:
-    """``adapt`` for the duration of a ``with`` block."""
-    restore = adapt(model, occasion)
+def ecosystem_hooks_on(model: nn.Module, occasion: Occasion = MEASURING) -> Iterator[None]:
+    """``run_ecosystem_hooks`` for the duration of a ``with`` block."""
+    restore = run_ecosystem_hooks(model, occasion)
     try:
         yield
     finally:

@@ -1,8 +1,8 @@
 """Integrations map plans onto ecosystems (Hugging Face Transformers: ``hf``).
 
 The core imports none of them: each reaches into one outside library, which stays optional.
-What the core must have done to a model of their kind reaches it through the adapters they
+What the core must have done to a model of their kind reaches it through the ecosystem hooks they
 register (``gradckpt.ecosystem_hooks``); ``gradckpt`` imports this package to register them.
 """
 
-from . import hf  # noqa: F401  (registers its adapter: caches off while gradckpt works)
+from . import hf  # noqa: F401  (registers its ecosystem hook: caches off while gradckpt works)

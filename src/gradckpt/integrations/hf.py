@@ -1,14 +1,14 @@
 """Hugging Face Transformers: what a model needs while gradckpt works on it, the Trainer
 callback, a model from its ``config.json``, and the batch it trains on.
 
-- ``adapt_transformers`` (registered adapter, so automatic for any model holding a
+- ``adapt_transformers`` (a registered ecosystem hook, so automatic for any model holding a
   ``PreTrainedModel``): caches off in training only, Transformers' own checkpointing off while
   gradckpt's plan is on, truthful ``is_activation_checkpointing``, and one behaviour for a later
   ``gradient_checkpointing_enable()``. docs/integrations.md shows each.
 - ``GradckptCallback`` (``hf_trainer.py``): plan and apply for a ``Trainer`` run.
 
 Transformers is imported inside the functions that need it, so that importing this module works
-without it (``gradckpt`` imports it to register its adapter; the command line imports it
+without it (``gradckpt`` imports it to register its hook; the command line imports it
 whatever model it plans); only building a model from a config needs the ``hf`` extra.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..ecosystem_hooks import Occasion, register_adapter
+from ..ecosystem_hooks import Occasion, register_ecosystem_hook
 from ..errors import did_you_mean, warn_once
 
 if TYPE_CHECKING:
@@ -326,7 +326,7 @@ def _answer_checkpointing_calls(
     return restore
 
 
-register_adapter(adapt_transformers)
+register_ecosystem_hook(adapt_transformers)
 
 
 class NoLanguageModelError(ValueError):

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ecosystem_hooks import adapted
+from ..ecosystem_hooks import ecosystem_hooks_on
 from ..errors import UsageError, did_you_mean
 from .model_state import buffers_and_rng_preserved
 from .step import run_model
@@ -324,7 +324,7 @@ def _in_run_order(
     try:
         for index, (_, module) in enumerate(blocks):
             handles.append(module.register_forward_pre_hook(functools.partial(note, index)))
-        with buffers_and_rng_preserved(model), adapted(model), torch.no_grad():
+        with buffers_and_rng_preserved(model), ecosystem_hooks_on(model), torch.no_grad():
             run_model(model, sample)
     finally:
         for handle in handles:

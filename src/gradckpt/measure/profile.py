@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ecosystem_hooks import adapted
+from ..ecosystem_hooks import ecosystem_hooks_on
 from ..engine import first_tensor, plans_suspended, storage_key
 from ..errors import UsageError
 from ..profile_types import BlockProfile, Profile
@@ -98,7 +98,7 @@ def profile(
             profiling (the CLI draws a bar with it; ``gradckpt.cli.progress.progress_bar``
             makes one). ``None``: nothing is reported.
 
-    The registered adapters (``gradckpt.ecosystem_hooks``: Hugging Face key/value caches off) run
+    The registered ecosystem hooks (``gradckpt.ecosystem_hooks``: Hugging Face caches off) run
     while it measures, as they do while a plan is applied.
 
     Example:
@@ -134,7 +134,7 @@ def profile(
     with (
         gradients_preserved(model),
         buffers_and_rng_preserved(model),
-        adapted(model),
+        ecosystem_hooks_on(model),
         plans_suspended(model),  # a planned model is measured as without its plan, kept on
     ):
         done = 0

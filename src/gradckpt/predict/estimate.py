@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from ..ecosystem_hooks import ESTIMATING, adapted
+from ..ecosystem_hooks import ESTIMATING, ecosystem_hooks_on
 from ..engine import storage_key
 from ..engine.module import replace_forward
 from ..errors import UsageError
@@ -119,7 +119,7 @@ def estimate(
     # Integrations whose models read values to choose a code path choose as for a real batch
     # (Transformers: attention without padding takes its fused kernel).
     with (
-        adapted(model, ESTIMATING),
+        ecosystem_hooks_on(model, ESTIMATING),
         _fake_state(model, mode, dtype),
         _forward_under_autocast(model, autocast),
     ):

@@ -1,4 +1,4 @@
-"""Model adapters: how integrations change a model while gradckpt works on it, without the core
+"""Ecosystem hooks: how integrations change a model while gradckpt works on it, without the core
 knowing the model family (``gradckpt.ecosystem_hooks``; Hugging Face's is the built-in one)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from hf_models import causal_sample, tiny_llama
 import gradckpt
 from gradckpt.ecosystem_hooks import (
     Occasion,
-    adapt,
-    adapted,
-    register_adapter,
-    unregister_adapter,
+    ecosystem_hooks_on,
+    register_ecosystem_hook,
+    run_ecosystem_hooks,
+    unregister_ecosystem_hook,
 )
 from gradckpt.integrations.hf import adapt_transformers, turn_caches_off
 
@@ -31,17 +31,17 @@ def test_adapters_run_in_order_and_undo_last_first() -> None:
 
     first, second, idle = adapter("first"), adapter("second"), lambda model, occasion: None
     for each in (first, second, idle, first):  # registering twice runs it once
-        register_adapter(each)
+        register_ecosystem_hook(each)
     try:
-        restore = adapt(torch.nn.Linear(1, 1))
+        restore = run_ecosystem_hooks(torch.nn.Linear(1, 1))
         assert events == ["first on", "second on"]
         restore()
         assert events == ["first on", "second on", "second off", "first off"]
     finally:
         for each in (first, second, idle):
-            unregister_adapter(each)
-    unregister_adapter(first)  # unknown: nothing happens
-    with adapted(torch.nn.Linear(1, 1)):
+            unregister_ecosystem_hook(each)
+    unregister_ecosystem_hook(first)  # unknown: nothing happens
+    with ecosystem_hooks_on(torch.nn.Linear(1, 1)):
         pass
     assert len(events) == 4
 
@@ -49,7 +49,7 @@ def test_adapters_run_in_order_and_undo_last_first() -> None:
 def test_importing_gradckpt_registers_the_hugging_face_adapter() -> None:
     # The core imports no integration; the package wires the built-in ones in.
     code = ("import gradckpt, gradckpt.ecosystem_hooks as a, gradckpt.integrations.hf as hf; "
-            "assert hf.adapt_transformers in a._ADAPTERS")
+            "assert hf.adapt_transformers in a._HOOKS")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
