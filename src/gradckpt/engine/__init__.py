@@ -4,8 +4,9 @@
 would save for the backward pass is handed to us instead (``saved_tensors_hooks``). We keep only a
 small "slot" per saved tensor; when backward asks for one, we run ``fn`` again on the same inputs
 (under the RNG, autocast, default device and dtype and global settings of the forward pass:
-``ambient.py``) and hand out the tensors this recomputation saves. A policy
-can mark operations whose outputs are kept, or offloaded to CPU memory, instead of recomputed.
+``ambient.py``) and hand out the tensors this recomputation saves. A policy (``fates.py``)
+can mark operations whose outputs are kept, or offloaded to CPU memory, instead of recomputed;
+``fate_per_op.py`` is where each saved tensor gets its fate.
 
 Invariants (docs/engine.md, "Guarantees"; tests cite them by number):
 

@@ -1,5 +1,5 @@
 """One checkpointed call: the region, its slots, its recomputation (rules R1-R5 in the
-package docstring)."""
+package docstring). Where a policy keeps or offloads what the region saves: fate_per_op.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import CheckpointError, UsageError, warn_once
 from .ambient import _AmbientState, _BufferGuard
-from .debug import _debug_state, _first_divergence
+from .debug import _debug_state
+from .fate_per_op import _FatePerOpMode, _FateTape
 from .fates import Policy, PolicyLike, resolve_policy
-from .policy_mode import _OpRecord, _PolicyMode
 from .tensors import _describe, _engine_internal, _metadata, _producer, _version_of
 
 
@@ -106,19 +106,22 @@ class _Region:
     ) -> None:
         self.fn = fn
         self.name = name
-        self.policy = policy
-        self.debug = debug
         self.preserve_rng_state = preserve_rng_state
         self.slots: list[weakref.ref[_Slot]] = []
         self.saved_metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.saved_by: list[type | None] = []  # what made each saved tensor (_producer)
         self.saved_versions: list[int | None] = []  # its version counter when it was saved
-        self.op_records: list[_OpRecord] = []
-        self.forward_log: list[str] = []
-        self.recompute_log: list[str] = []
+        self.fates = _FateTape(policy, debug)  # each operation's fate, where a policy decides
         self.graphs_with_cleanup: set[int] = set()
 
     # ---- forward ----------------------------------------------------------------------------
+
+    def forward_hooks(self) -> list[contextlib.AbstractContextManager]:
+        """What is on around the region's forward pass, outermost first: the mode that gives
+        each operation its fate (where there is a policy or debug mode), then the saved-tensor
+        hooks that hand us what autograd saves. Each can be entered again after it exits
+        (segments.py enters them around each block's call)."""
+        return _hooks(self.fates.forward_mode(), self.pack_during_forward, _unpack)
 
     def save_inputs(self, args: tuple, kwargs: dict) -> None:
         leaves, self.input_spec = tree_flatten((args, kwargs))
@@ -161,19 +164,15 @@ class _Region:
             )
         args, kwargs = self.recompute_inputs()
         filled = _FillCounter()
-        self.recompute_log = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(self.ambient.replayed())
             stack.enter_context(_BufferGuard())
-            if self.policy is not None or self.debug:
-                stack.enter_context(_PolicyMode(self, recomputing=True))
-            stack.enter_context(
-                torch.autograd.graph.saved_tensors_hooks(
-                    functools.partial(self.pack_during_recompute, graph_id, filled),
-                    _identity,
-                )
-            )
+            # Made in the replayed state: the mode starts bringing offloaded tensors back.
+            mode = self.fates.recompute_mode(self.mismatch)
+            pack = functools.partial(self.pack_during_recompute, graph_id, filled)
+            for hook in _hooks(mode, pack, _identity):
+                stack.enter_context(hook)
             try:
                 self.fn(*args, **kwargs)
             except _RecomputationComplete:
@@ -264,14 +263,10 @@ class _Region:
 
     def mismatch(self, what_differed: str) -> CheckpointError:
         """The error for a recomputation that did not reproduce the forward (invariant 7)."""
-        if self.debug:
-            where = "\n" + _first_divergence(self.forward_log, self.recompute_log)
-        else:
-            where = " Run the step under gradckpt.debug_mode() to see where it diverged."
         return CheckpointError(
             f"gradckpt: recomputing region {self.name!r} {what_differed}. The region does not "
             "compute the same thing twice (data-dependent control flow, or state that changed "
-            "between forward and backward)." + where
+            "between forward and backward)." + self.fates.where_diverged()
         )
 
 
@@ -295,6 +290,16 @@ def _unpack(slot: _Slot) -> torch.Tensor:
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _hooks(
+    mode: _FatePerOpMode | None,
+    pack: Callable[[torch.Tensor], Any],
+    unpack: Callable[[Any], torch.Tensor],
+) -> list[contextlib.AbstractContextManager]:
+    """The context managers of one pass of a region, to enter in this order."""
+    saved_tensors = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    return [saved_tensors] if mode is None else [mode, saved_tensors]
 
 
 def _run_checkpointed(
@@ -322,11 +327,8 @@ def _run_checkpointed(
     )
     region.save_inputs(args, kwargs)
     with contextlib.ExitStack() as stack:
-        if region.policy is not None or region.debug:
-            stack.enter_context(_PolicyMode(region, recomputing=False))
-        stack.enter_context(
-            torch.autograd.graph.saved_tensors_hooks(region.pack_during_forward, _unpack)
-        )
+        for hook in region.forward_hooks():
+            stack.enter_context(hook)
         output = fn(*args, **kwargs)
     if region.ambient.random_without_replay():
         warn_once(

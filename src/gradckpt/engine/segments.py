@@ -49,8 +49,7 @@ from .compiled import compiling, torch_checkpoint
 from .debug import _debug_state
 from .fates import PolicyLike, resolve_policy
 from .module import replace_forward
-from .policy_mode import _PolicyMode
-from .region import _Region, _unpack
+from .region import _Region
 from .suspension import _register_handle, _standing_aside, _unregister_handle
 from .tensors import detached_like, first_tensor, storage_key
 
@@ -306,11 +305,7 @@ class SegmentsHandle:
             debug=_debug_state.enabled,
         )
         region.save_inputs(args, kwargs)
-        hooks: list[Any] = []
-        if region.policy is not None or region.debug:
-            hooks.append(_PolicyMode(region, recomputing=False))
-        hooks.append(torch.autograd.graph.saved_tensors_hooks(region.pack_during_forward, _unpack))
-        run = _Run(segment, hooks)
+        run = _Run(segment, region.forward_hooks())
         region.fn = functools.partial(self.replay, segment, run)
         frame.runs[segment] = run
         return run
