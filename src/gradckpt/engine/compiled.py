@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -35,8 +36,9 @@ from torch.utils.checkpoint import (
 )
 
 from .fates import Fate, PolicyLike, resolve_policy
+from .module import replace_forward
 
-__all__ = ["compiling", "torch_checkpoint"]
+__all__ = ["compiling", "lower_for_compile", "torch_checkpoint"]
 
 
 def compiling() -> bool:
@@ -72,3 +74,45 @@ def _selective(policy: Callable, ctx: Any, op: Any, *args: Any, **kwargs: Any
     if policy(op, None) is Fate.KEEP:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def lower_for_compile(
+    block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
+) -> Callable[[], None]:
+    """Give ``block`` a forward that, while ``torch.compile`` traces it with gradients, runs
+    as one ``torch.utils.checkpoint`` region under ``policy``, and otherwise is the block's
+    own forward (calling ``interrupted`` if that raises a ``KeyboardInterrupt``); return what
+    puts the block's forward back."""
+    return replace_forward(block, _CompiledForward(block, policy, interrupted))
+
+
+class _CompiledForward:
+    """A planned block's ``forward`` (see ``lower_for_compile``).
+
+    An object holding the block rather than a closure over its bound ``forward``: a deep copy
+    of the model (a reference model, an EMA copy) copies it with the block, so the copy's
+    forward runs the copy's parameters, where a copied closure would run the original's.
+    """
+
+    def __init__(
+        self, block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
+    ) -> None:
+        self.block = block
+        self.policy = policy
+        self.interrupted = interrupted
+        self.own = block.__dict__.get("forward")  # a forward set on the instance, if any
+        functools.update_wrapper(self, block.forward)  # its name, doc and signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.own or functools.partial(type(self.block).forward, self.block)
+        if compiling():
+            if torch.is_grad_enabled():
+                return torch_checkpoint(forward, args, kwargs, self.policy)
+            return forward(*args, **kwargs)
+        try:
+            return forward(*args, **kwargs)
+        except Exception:
+            raise  # the block's post-hook runs (always_call) and cleans up
+        except BaseException:
+            self.interrupted()  # torch runs no post-hook for these
+            raise

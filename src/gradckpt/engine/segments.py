@@ -37,7 +37,7 @@ import contextlib
 import functools
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,10 +45,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import UsageError
-from .compiled import compiling, torch_checkpoint
+from .compiled import compiling, lower_for_compile
 from .debug import _debug_state
 from .fates import PolicyLike, resolve_policy
-from .module import replace_forward
 from .region import _Region
 from .suspension import _register_handle, _standing_aside, _unregister_handle
 from .tensors import detached_like, first_tensor, storage_key
@@ -195,7 +194,7 @@ class SegmentsHandle:
         # Under torch.compile the hooks stand aside and each block of a segment runs as a
         # torch.utils.checkpoint region of its own (compiled.py: what survives compilation).
         self.lowered = [
-            _lower_for_compile(block, _policy_of(index, segments),
+            lower_for_compile(block, _policy_of(index, segments),
                                functools.partial(self.interrupted, index))
             for index, block in enumerate(self.blocks)
             if any(s.start <= index <= s.end for s in segments)
@@ -365,48 +364,6 @@ def _policy_of(index: int, segments: list[_Segment]) -> PolicyLike:
     ``apply`` puts policies on top-level segments without children)."""
     return next((s.policy for s in segments
                  if s.start <= index <= s.end and s.policy is not None), None)
-
-
-def _lower_for_compile(
-    block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
-) -> Callable[[], None]:
-    """Give ``block`` a forward that, while ``torch.compile`` traces it with gradients, runs
-    as one ``torch.utils.checkpoint`` region under ``policy``, and otherwise is the block's
-    own forward (calling ``interrupted`` if that raises a ``KeyboardInterrupt``); return what
-    puts the block's forward back."""
-    return replace_forward(block, _CompiledForward(block, policy, interrupted))
-
-
-class _CompiledForward:
-    """A planned block's ``forward`` (see ``_lower_for_compile``).
-
-    An object holding the block rather than a closure over its bound ``forward``: a deep copy
-    of the model (a reference model, an EMA copy) copies it with the block, so the copy's
-    forward runs the copy's parameters, where a copied closure would run the original's.
-    """
-
-    def __init__(
-        self, block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
-    ) -> None:
-        self.block = block
-        self.policy = policy
-        self.interrupted = interrupted
-        self.own = block.__dict__.get("forward")  # a forward set on the instance, if any
-        functools.update_wrapper(self, block.forward)  # its name, doc and signature
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.own or functools.partial(type(self.block).forward, self.block)
-        if compiling():
-            if torch.is_grad_enabled():
-                return torch_checkpoint(forward, args, kwargs, self.policy)
-            return forward(*args, **kwargs)
-        try:
-            return forward(*args, **kwargs)
-        except Exception:
-            raise  # the block's post-hook runs (always_call) and cleans up
-        except BaseException:
-            self.interrupted()  # torch runs no post-hook for these
-            raise
 
 
 def checkpoint_segments(
