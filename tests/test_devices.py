@@ -72,6 +72,33 @@ def test_preset_figures_match_the_datasheet(name: str) -> None:
     assert spec.memory_bandwidth_bytes_per_second == pytest.approx(bandwidth_gb * 1e9)
 
 
+# NVIDIA's CUDA GPUs page (developer.nvidia.com/cuda-gpus), which each preset's source cites.
+COMPUTE_CAPABILITY = {
+    "h100-80gb": (9, 0),
+    "h100-pcie-80gb": (9, 0),
+    "h200-141gb": (9, 0),
+    "a100-80gb": (8, 0),
+    "a100-40gb": (8, 0),
+    "l4-24gb": (8, 9),
+    "rtx4090-24gb": (8, 9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPUTE_CAPABILITY))
+def test_preset_compute_capability_matches_nvidias_list(name: str) -> None:
+    assert set(COMPUTE_CAPABILITY) == set(DEVICES)
+    assert DEVICES[name].compute_capability == COMPUTE_CAPABILITY[name]
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_preset_source_says_what_was_checked(name: str) -> None:
+    # docs/devices.md: a figure is "checked" against a copy of the vendor's table, or marked
+    # "unverified"; the source names which, and where the compute capability comes from.
+    source = DEVICES[name].source
+    assert "checked" in source or "unverified" in source
+    assert "cuda-gpus" in source
+
+
 def test_presets_cannot_be_edited_by_accident() -> None:
     with pytest.raises(TypeError):
         DEVICES["h100-80gb"].flops_per_second[torch.float32] = 1.0  # type: ignore[index]

@@ -1,5 +1,5 @@
-"""Every example in docs/integrations.md runs as it stands (issue 14: "each one also run as a
-test"). Each ```python block is run on its own, in a fresh namespace, in the order of the page."""
+"""Every example in docs/integrations.md runs as it stands. Each ```python block is run on its
+own, in a fresh namespace, in the order of the page."""
 
 from __future__ import annotations
 

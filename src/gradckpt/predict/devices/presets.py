@@ -1,5 +1,13 @@
 """The GPUs ``estimate`` knows by name: the vendor's datasheet figures, each with its source
-(docs/devices.md lists them)."""
+and whether it was checked (docs/devices.md lists them, with the copies they were checked
+against).
+
+Each ``source`` names the vendor's document and says which figures were checked against a copy
+of its table ("checked": NVIDIA's PDFs and pages themselves could not be opened where the
+presets were checked) and which are "unverified" (no copy of the vendor's table found; the
+figure is the one third-party spec databases agree on). Compute capabilities are from NVIDIA's
+CUDA GPUs page (developer.nvidia.com/cuda-gpus).
+"""
 
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ def _preset(
 # Dense figures: NVIDIA prints Hopper/Ada tensor-core rates "with sparsity" (marked *, 2:4
 # structured sparsity, which training does not use); the dense rate is half of that.
 _DENSE = "tensor-core figures printed with sparsity (*), halved"
+_CUDA_GPUS = "compute capability from developer.nvidia.com/cuda-gpus"
 
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
@@ -52,7 +61,9 @@ DEVICES: dict[str, DeviceSpec] = {
             bandwidth_gb_per_second=3350,
             source=(
                 f"NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: FP32 67 TFLOPS, BF16 "
-                f"Tensor Core 1,979 TFLOPS*, 80GB HBM3 at 3.35TB/s; {_DENSE}"
+                f"Tensor Core 1,979 TFLOPS*, 80GB HBM3 at 3.35TB/s; {_DENSE}; all checked "
+                f"against a copy of the datasheet table "
+                f"(archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html); {_CUDA_GPUS}"
             ),
             compute_capability=(9, 0),
         ),
@@ -64,8 +75,10 @@ DEVICES: dict[str, DeviceSpec] = {
             fp32_tflops=51,
             bandwidth_gb_per_second=2000,
             source=(
-                f"NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column: FP32 51 TFLOPS, BF16 "
-                f"Tensor Core 1,513 TFLOPS*, 80GB HBM2e at 2TB/s; {_DENSE}"
+                f"NVIDIA H100 Tensor Core GPU datasheet (2022 edition), H100 PCIe column: FP32 51 "
+                f"TFLOPS, BF16 Tensor Core 1,513 TFLOPS*, 80GB HBM2e at 2TB/s; {_DENSE}; all "
+                f"checked against a copy of the datasheet table "
+                f"(archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html); {_CUDA_GPUS}"
             ),
             compute_capability=(9, 0),
         ),
@@ -77,9 +90,11 @@ DEVICES: dict[str, DeviceSpec] = {
             fp32_tflops=67,
             bandwidth_gb_per_second=4800,
             source=(
-                f"NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: BF16 Tensor Core 1,979 "
-                f"TFLOPS*, 141GB HBM3e at 4.8TB/s; {_DENSE}; FP32 67 TFLOPS as the H100 SXM (the "
-                f"same GH100 compute), from memory: verify"
+                f"NVIDIA H200 Tensor Core GPU datasheet and product page, H200 SXM column: FP32 "
+                f"67 TFLOPS, BF16 Tensor Core 1,979 TFLOPS*, 141GB HBM3e at 4.8TB/s; {_DENSE}; "
+                f"all checked against a copy of the table (github.com/stas00/ml-engineering, "
+                f"compute/accelerator: H200 SXM fp32 67, bf16 989 dense, 141GB at 4.8TBps); "
+                f"{_CUDA_GPUS}"
             ),
             compute_capability=(9, 0),
         ),
@@ -91,8 +106,10 @@ DEVICES: dict[str, DeviceSpec] = {
             fp32_tflops=19.5,
             bandwidth_gb_per_second=2039,
             source=(
-                "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column: FP32 19.5 TFLOPS, "
-                "BF16 Tensor Core 312 TFLOPS (624* with sparsity), 80GB HBM2e at 2,039GB/s"
+                f"NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column: FP32 19.5 TFLOPS, "
+                f"BF16 Tensor Core 312 TFLOPS (624* with sparsity), 80GB HBM2e at 2,039GB/s; all "
+                f"checked against a copy of the datasheet's figures "
+                f"(glennklockwood.com/garden/processors/A100); {_CUDA_GPUS}"
             ),
             compute_capability=(8, 0),
         ),
@@ -104,8 +121,10 @@ DEVICES: dict[str, DeviceSpec] = {
             fp32_tflops=19.5,
             bandwidth_gb_per_second=1555,
             source=(
-                "NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM column: FP32 19.5 TFLOPS, "
-                "BF16 Tensor Core 312 TFLOPS (624* with sparsity), 40GB HBM2 at 1,555GB/s"
+                f"NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM column: FP32 19.5 TFLOPS, "
+                f"BF16 Tensor Core 312 TFLOPS (624* with sparsity), 40GB HBM2 at 1,555GB/s; all "
+                f"checked against a copy of the datasheet's figures "
+                f"(glennklockwood.com/garden/processors/A100); {_CUDA_GPUS}"
             ),
             compute_capability=(8, 0),
         ),
@@ -118,7 +137,9 @@ DEVICES: dict[str, DeviceSpec] = {
             bandwidth_gb_per_second=300,
             source=(
                 f"NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS, BF16 Tensor Core 242 "
-                f"TFLOPS*, 24GB GDDR6 at 300GB/s; {_DENSE}"
+                f"TFLOPS*, 24GB GDDR6 at 300GB/s; {_DENSE}; FP32, BF16 and memory checked "
+                f"against the datasheet's text (its copy at cisco.com, nvidia-l4-gpu.pdf); the "
+                f"300GB/s bandwidth unverified (spec databases: 300GB/s); {_CUDA_GPUS}"
             ),
             compute_capability=(8, 9),
         ),
@@ -130,11 +151,12 @@ DEVICES: dict[str, DeviceSpec] = {
             fp32_tflops=82.6,
             bandwidth_gb_per_second=1008,
             source=(
-                "NVIDIA Ada GPU architecture whitepaper, appendix table for the GeForce RTX 4090: "
-                "FP32 82.6 TFLOPS, FP16/BF16 Tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 "
-                "with sparsity; GeForce runs FP32-accumulate at half the FP16-accumulate rate, and "
-                "PyTorch accumulates in FP32), 24GB GDDR6X at 1,008GB/s; the tensor figure is from "
-                "memory, matched by third-party spec tables (165.15 TFLOPS): verify"
+                f"NVIDIA Ada GPU architecture whitepaper, appendix table for the GeForce RTX 4090: "
+                f"FP32 82.6 TFLOPS, FP16/BF16 Tensor with FP32 accumulate 165.2 TFLOPS dense "
+                f"(GeForce runs FP32-accumulate at half the FP16-accumulate rate, and PyTorch "
+                f"accumulates in FP32), 24GB GDDR6X at 1,008GB/s; all unverified: no copy of the "
+                f"whitepaper's table found, the figures are those spec databases agree on (82.58 "
+                f"TFLOPS FP32, 165.15 dense BF16, 1,008GB/s); {_CUDA_GPUS}"
             ),
             compute_capability=(8, 9),
         ),
