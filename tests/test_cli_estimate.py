@@ -14,9 +14,8 @@ from gradckpt.cli import known_configs as known_configs_module
 from gradckpt.cli import main
 from gradckpt.cli.known_configs import KNOWN_CONFIGS, KnownConfig
 from gradckpt.cli.model_lookup import build_known_model
+from gradckpt.measure.memory_parts import FSDP_GATHERED, GRADIENTS, PARAMETERS
 from gradckpt.plan import Plan
-from gradckpt.predict.memory_parts import GRADIENTS, PARAMETERS
-from gradckpt.predict.per_rank import GATHERED
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,14 +57,14 @@ def test_a_config_json_estimated_for_an_h100_prints_plan_breakdown_and_fit(estim
     assert "estimated for h100-80gb (NVIDIA H100 SXM5 80GB: 80.00 GiB" in out
     assert "model.layers.0" in out and "model.layers.1" in out  # the per-block table
     assert "strategy optimal within 70.00 GiB: predicted peak" in out
-    for part in ("parameters", "gradients (trainable parameters)", "optimizer state (adamw)",
+    for part in ("parameters", "gradients (trainable parameters)", "optimizer state (AdamW)",
                  "activations kept for backward (under this plan)",
                  "logits, loss and their gradients", "CUDA context and allocator reserve"):
         assert part in out, part
     assert "largest part: " in out
     assert "fits: predicted peak " in out and "of 78.00 GiB usable on h100-80gb" in out
     assert "sizes, not one instant" in out and "rooflines" in out
-    assert "per rank" not in out and GATHERED not in out  # one process: nothing sharded
+    assert "per rank" not in out and FSDP_GATHERED not in out  # one process: nothing sharded
 
 
 def test_the_estimate_json_holds_the_documented_keys(estimated):
@@ -84,7 +83,7 @@ def test_the_estimate_json_holds_the_documented_keys(estimated):
     # The optimizer's state is in every plan's peak: two fp32 moments per parameter, and
     # AdamW's step counter per parameter tensor (4 bytes each).
     parameters = report["memory_parts"]["parameters"]
-    counters = report["memory_parts"]["optimizer state (adamw)"] - 2 * parameters
+    counters = report["memory_parts"]["optimizer state (AdamW)"] - 2 * parameters
     assert 0 <= counters <= 4 * 1024, counters
 
 
@@ -227,7 +226,7 @@ def test_world_size_estimates_one_rank_of_a_sharded_run(tiny_llama_config, tmp_p
     assert "batch 2 x 32, float32, optimizer adamw, per rank of 4 (FSDP2/ZeRO-3 sharding)\n" in out
     assert "peak without checkpointing " in out and " per rank, the optimizer's state" in out
     for label in ("parameters (1/4 per rank)", "gradients (trainable parameters, 1/4 per rank)",
-                  "optimizer state (adamw, 1/4 per rank)", GATHERED,
+                  "optimizer state (AdamW, 1/4 per rank)", FSDP_GATHERED,
                   "activations kept for backward (under this plan)"):
         assert f"\n{label} " in out, label
     assert "fits: predicted peak per rank " in out and "usable on each h100-80gb" in out
@@ -235,10 +234,11 @@ def test_world_size_estimates_one_rank_of_a_sharded_run(tiny_llama_config, tmp_p
 
     # The JSON keeps the parts' plain names; what each rank keeps is a quarter of the whole.
     assert set(rank) == JSON_KEYS and (whole["world_size"], rank["world_size"]) == (1, 4)
-    for name in (PARAMETERS, GRADIENTS, "optimizer state (adamw)"):
+    for name in (PARAMETERS, GRADIENTS, "optimizer state (AdamW)"):
         assert rank["memory_parts"][name] == whole["memory_parts"][name] // 4, name
-    assert rank["memory_parts"][GATHERED] > 0 and GATHERED not in whole["memory_parts"]
-    assert rank["memory_parts_without_checkpointing"][GATHERED] == rank["memory_parts"][GATHERED]
+    assert rank["memory_parts"][FSDP_GATHERED] > 0 and FSDP_GATHERED not in whole["memory_parts"]
+    gathered = rank["memory_parts"][FSDP_GATHERED]
+    assert rank["memory_parts_without_checkpointing"][FSDP_GATHERED] == gathered
     # Activations are one rank's batch's either way.
     activations = "activations kept for backward (under this plan)"
     assert rank["memory_parts"][activations] == whole["memory_parts"][activations]
@@ -302,8 +302,8 @@ def test_llama_3_8b_on_8_ranks_keeps_an_eighth_of_its_parameters_per_rank(tmp_pa
     assert parts[PARAMETERS] == whole_parameter_bytes // 8
     assert parts[GRADIENTS] == whole_parameter_bytes // 8
     # Two bf16 moments per parameter, and a 4-byte step counter per parameter tensor.
-    counters = parts["optimizer state (adamw)"] - 2 * whole_parameter_bytes // 8
+    counters = parts["optimizer state (AdamW)"] - 2 * whole_parameter_bytes // 8
     assert 0 <= counters <= 4 * 1024, counters
-    assert parts[GATHERED] > 0  # FSDP's buffers: sharding.py's model, tested there
+    assert parts[FSDP_GATHERED] > 0  # FSDP's buffers: sharding.py's model, tested there
     # Without checkpointing one process needs 107.86 GiB; sharded 8 ways, it fits an H100.
     assert rank["fits"] is True

@@ -41,8 +41,8 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   ``optimizer_step_bytes`` (``optimizer.step()``, with every gradient alive).
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> blocks = [example_block(f"h.{i}") for i in range(4)]  # 10 in, 50 saved, 1 s + 2 s
     >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
     >>> simulate(profile, [])  # all kept: 4 x 50 retained, plus the last block's gradient
     (210, 0.0)
@@ -65,8 +65,8 @@ def plan_for(
     """Wrap segments into a ``Plan`` with the predictions ``simulate`` makes for them.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> profile = Profile([BlockProfile("b", 10, 10, 50, True, 1.0, 2.0)], 1050, 1000, 4.0)
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> profile = Profile([example_block()], 1050, 1000, 4.0)
         >>> plan_for(profile, "every-layer", None, [Segment(0, 0)]).predicted_overhead
         0.25
     """
@@ -103,8 +103,8 @@ def phase_peaks(profile: Profile, segments: list[Segment]) -> dict[str, int]:
     error explains.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> profile = Profile(blocks, 1500, 1000, 12.0, head_bytes=300)
         >>> phase_peaks(profile, [Segment(0, 3)])
         {'forward': 20, 'head': 310, 'backward': 210, 'other': 0, 'optimizer': 0, 'retained': 10}
@@ -134,9 +134,8 @@ def gradients_after(profile: Profile) -> list[int]:
     side inputs later blocks took too (``BlockProfile.side_gradient_bytes``).
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0, gradient_bytes=10)
-        ...           for i in range(3)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}", gradient_bytes=10) for i in range(3)]
         >>> gradients_after(Profile(blocks, 0, 0, 1.0, head_gradient_bytes=5))
         [25, 15, 5]
     """
@@ -154,9 +153,8 @@ def side_inputs_held(profile: Profile, checkpointing: bool) -> list[int]:
     them for its recomputation, the plain model frees them after its forward.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile
-        >>> blocks = [BlockProfile("h.0", 1, 1, 1, True, 1.0, 1.0, side_bytes=4),
-        ...           BlockProfile("h.1", 1, 1, 1, True, 1.0, 1.0, held_side_bytes=8)]
+        >>> from gradckpt.profile_types import example_block
+        >>> blocks = [example_block("h.0", side_bytes=4), example_block("h.1", held_side_bytes=8)]
         >>> profile = Profile(blocks, 0, 0, 1.0)
         >>> side_inputs_held(profile, False), side_inputs_held(profile, True)
         ([4, 0], [4, 8])

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["PLANNED_POLICY", "BlockProfile", "Profile"]
+__all__ = ["PLANNED_POLICY", "BlockProfile", "Profile", "example_block"]
 
 
 PLANNED_POLICY = "save-matmuls"  # a preset of gradckpt.engine.fates
@@ -129,10 +129,10 @@ class BlockProfile:
         """Extra seconds each time a segment recomputes this block: measured, or its forward.
 
         Example:
-            >>> BlockProfile("h.0", 1, 1, 1, True, 2.0, 3.0).recompute_seconds()
+            >>> example_block(forward_seconds=2.0).recompute_seconds()
             2.0
-            >>> BlockProfile("h.0", 1, 1, 1, True, 2.0, 3.0,
-            ...              checkpointed_extra_seconds=2.2).recompute_seconds()
+            >>> example_block(forward_seconds=2.0, checkpointed_extra_seconds=2.2
+            ...               ).recompute_seconds()
             2.2
         """
         if self.checkpointed_extra_seconds is None:
@@ -144,8 +144,7 @@ class BlockProfile:
         forward minus the matmuls it keeps.
 
         Example:
-            >>> BlockProfile("h.0", 1, 1, 1, True, 3.0, 5.0, matmul_seconds=2.0
-            ...              ).policy_recompute_seconds()
+            >>> example_block(forward_seconds=3.0, matmul_seconds=2.0).policy_recompute_seconds()
             1.0
         """
         if self.policy_extra_seconds is not None:
@@ -158,8 +157,8 @@ class BlockProfile:
         upper bound).
 
         Example:
-            >>> BlockProfile("h.0", 1, 1, 1, True, 1.0, 1.0, forward_peak_bytes=90,
-            ...              checkpointed_forward_peak_bytes=30).segment_forward_peak_bytes()
+            >>> example_block(forward_peak_bytes=90, checkpointed_forward_peak_bytes=30
+            ...               ).segment_forward_peak_bytes()
             30
         """
         if self.checkpointed_forward_peak_bytes is None:
@@ -288,7 +287,7 @@ class Profile:
         always measures consistent numbers; this catches hand-made and edited profiles.)
 
         Example:
-            >>> block = BlockProfile("h.0", 100, 100, 50, True, 1.0, 2.0)
+            >>> block = example_block(input_bytes=100, saved_bytes=50)
             >>> Profile([block], 0, 0, 1.0).validate()
             Traceback (most recent call last):
             ...
@@ -349,3 +348,20 @@ def _inconsistency(block: BlockProfile) -> str | None:
         return (f"matmul_seconds ({block.matmul_seconds}) exceeds forward_seconds "
                 f"({block.forward_seconds}), of which matmuls are a part")
     return None
+
+
+def example_block(name: str = "h.0", **fields: Any) -> BlockProfile:
+    """A block for examples and tests, every number named: 10 bytes in and 10 out, 50 saved
+    (its input among them), a 1 s forward and a 2 s backward, unless ``fields`` say otherwise.
+
+    Example:
+        >>> block = example_block("h.1", saved_bytes=80)
+        >>> block.name, block.input_bytes, block.saved_bytes, block.backward_seconds
+        ('h.1', 10, 80, 2.0)
+    """
+    numbers: dict[str, Any] = {
+        "input_bytes": 10, "output_bytes": 10, "saved_bytes": 50, "input_saved": True,
+        "forward_seconds": 1.0, "backward_seconds": 2.0,
+    }
+    numbers.update(fields)
+    return BlockProfile(name=name, **numbers)

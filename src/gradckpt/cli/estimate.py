@@ -20,16 +20,17 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CommandLineError, explained_for_the_command_line
 from .frontier import plot_plan
-from .memory_parts import retained_activation_bytes, without_optimizer_note
 from .model_lookup import resolve_model
 from .progress import progress_bar, stage
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gradckpt.plan import Plan
     from gradckpt.predict.devices import DeviceSpec
     from gradckpt.profile_types import Profile
 
-__all__ = ["DTYPES", "run_estimate", "target_device"]
+__all__ = ["DTYPES", "run_estimate", "target_device", "without_optimizer_note"]
 
 # --dtype: the short names people write, and torch's.
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -66,6 +67,31 @@ def target_device(name: str | None) -> DeviceSpec:
         raise CommandLineError(f"--device: {error}") from None
 
 
+def without_optimizer_note(model: nn.Module, optimizer: str | None) -> str | None:
+    """With ``--optimizer none`` and parameters to train, the line saying what the plan leaves
+    out: the state AdamW would add from the second step on. None otherwise.
+
+    Example:
+        >>> import torch
+        >>> print(without_optimizer_note(torch.nn.Linear(4, 4), None))  # 20 fp32 parameters
+        no optimizer counted (--optimizer none): a loop stepping AdamW holds 160 B more from its
+        second step on; --optimizer adamw plans for that
+        >>> without_optimizer_note(torch.nn.Linear(4, 4), "adamw") is None
+        True
+    """
+    from gradckpt.budget import format_bytes
+    from gradckpt.measure.training_state import optimizer_state_bytes
+
+    if optimizer is not None:
+        return None
+    adamw_bytes = optimizer_state_bytes("adamw", model)
+    if not adamw_bytes:
+        return None
+    return (f"no optimizer counted (--optimizer none): a loop stepping AdamW holds "
+            f"{format_bytes(adamw_bytes)} more from its\nsecond step on; --optimizer adamw "
+            "plans for that")
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     """``gradckpt plan MODEL --estimate``: predict the step on ``--device``, solve, print.
 
@@ -81,7 +107,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     import gradckpt
     from gradckpt.budget import format_bytes
+    from gradckpt.measure.memory_parts import memory_parts
     from gradckpt.predict.devices import format_device
+    from gradckpt.report import memory_breakdown_table, part_label
 
     spec = target_device(args.device)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
@@ -96,10 +124,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         )
     with explained_for_the_command_line():  # "auto": the target's memory (solve reads it)
         plan = gradckpt.solve(profile, args.budget, args.strategy)
-    parts = plan_memory_parts(profile, plan, args.optimizer)
+    memory = memory_parts(target.model, profile, plan, optimizer=optimizer)
+    parts = dict(memory.parts)
     largest = max(parts, key=parts.get)
-    world_size = profile.notes.get("world_size", 1)
-    labels = {name: part_label(name, world_size) for name in parts}
+    world_size = memory.world_size
 
     names = [block.name for block in profile.blocks]
     parameter_count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
@@ -122,9 +150,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     print()
     print(plan)
     print()
-    print(breakdown_table({labels[name]: size for name, size in parts.items()},
-                          plan.predicted_peak_bytes, spec.memory_bytes))
-    print(f"largest part: {labels[largest]}, {format_bytes(parts[largest])}")
+    print(memory_breakdown_table(memory, spec.memory_bytes))
+    print(f"largest part: {part_label(largest, world_size)}, {format_bytes(parts[largest])}")
     print(fit_line(profile, plan, spec))
     print(
         f"Predicted on fake tensors for {_device_name(spec)}; times are rooflines (the fastest "
@@ -147,73 +174,6 @@ def run_estimate(args: argparse.Namespace) -> int:
         plot_plan(profile, plan, Path(args.plot))
         print(f"plot written to {args.plot}")
     return 0
-
-
-def plan_memory_parts(profile: Profile, plan: Plan, optimizer: str) -> dict[str, int]:
-    """``estimate``'s parts of the memory (``notes["memory_parts"]``), with the activations
-    those the plan keeps rather than those a step without checkpointing keeps.
-
-    Example:
-        >>> import torch, gradckpt
-        >>> from gradckpt.toy_models import mlp_chain
-        >>> profile = gradckpt.estimate(mlp_chain(4, 8), torch.randn(16, 8), device="l4")
-        >>> parts = plan_memory_parts(profile, gradckpt.solve(profile, None, "sqrt"), "none")
-        >>> list(parts)[:3]
-        ['parameters', 'gradients (trainable parameters)', 'activations kept for backward (under this plan)']
-    """  # noqa: E501  (a doctest's output is one line)
-    from gradckpt.predict.memory_parts import ACTIVATIONS, OPTIMIZER_STATE
-
-    parts = {}
-    for name, size in profile.notes["memory_parts"].items():
-        if name == ACTIVATIONS:  # estimate's: the step without checkpointing
-            name = "activations kept for backward (under this plan)"
-            size = retained_activation_bytes(profile, plan)
-        elif name == OPTIMIZER_STATE:
-            name = f"optimizer state ({optimizer})"
-        parts[name] = size
-    return parts
-
-
-def part_label(name: str, world_size: int) -> str:
-    """How the table names a memory part: with ``world_size`` ranks sharding the model, the
-    parts each rank keeps 1/N of say so (``--json`` keeps the plain names).
-
-    Example:
-        >>> part_label("parameters", 8)
-        'parameters (1/8 per rank)'
-        >>> part_label("optimizer state (adamw)", 8)
-        'optimizer state (adamw, 1/8 per rank)'
-        >>> part_label("parameters", 1)
-        'parameters'
-    """
-    from gradckpt.predict.memory_parts import GRADIENTS, PARAMETERS
-
-    sharded = name in (PARAMETERS, GRADIENTS) or name.startswith("optimizer state (")
-    if world_size == 1 or not sharded:
-        return name
-    share = f"1/{world_size} per rank"
-    return f"{name[:-1]}, {share})" if name.endswith(")") else f"{name} ({share})"
-
-
-def breakdown_table(parts: dict[str, int], predicted_peak_bytes: int, device_bytes: int) -> str:
-    """What takes the memory, largest first: each part's size and share of the predicted peak
-    and of the device (``report.memory_breakdown_table``, as a measured plan's table says it).
-
-    Example:
-        >>> print(breakdown_table({"parameters": 2**30, "gradients": 2**29}, 3 * 2**30,
-        ...                       4 * 2**30))  # doctest: +NORMALIZE_WHITESPACE
-        what takes the memory (sizes; not all alive at one instant)        size  of the predicted peak  of the device
-        parameters                                                     1.00 GiB                    33%            25%
-        gradients                                                    512.00 MiB                    17%            12%
-        The parts are sizes, not one instant: they add up to 1.50 GiB, less than the predicted peak
-        of 3.00 GiB; the rest is what the step holds briefly (temporaries, recomputed activations).
-    """  # noqa: E501  (a table's lines are longer than code's)
-    from gradckpt.predict.memory_parts import CUDA_RESERVE
-    from gradckpt.report import MemoryParts, memory_breakdown_table
-
-    memory = MemoryParts(list(parts.items()), predicted_peak_bytes,
-                         outside_peak=frozenset({CUDA_RESERVE}))
-    return memory_breakdown_table(memory, device_bytes)
 
 
 def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:

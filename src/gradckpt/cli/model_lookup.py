@@ -230,9 +230,10 @@ def check_measurable(name: str, device: Any) -> None:
         gradckpt.cli.errors.CommandLineError: llama-3-8b: measuring it here needs its ...
     """
     from gradckpt.budget import available_bytes, format_bytes
+    from gradckpt.measure.tensors import tensor_bytes
 
     model = build_known_model(name, on_meta=True)  # shapes only, to count the bytes
-    needed_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    needed_bytes = 2 * sum(tensor_bytes(p) for p in model.parameters())
     room_bytes = available_bytes(device)
     if needed_bytes > room_bytes:
         raise CommandLineError(

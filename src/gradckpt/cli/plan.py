@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING
 from .builtin_models import builtin_list
 from .devices import resolve_device, to_device
 from .errors import CommandLineError, explained_for_the_command_line
-from .estimate import run_estimate, target_device
+from .estimate import run_estimate, target_device, without_optimizer_note
 from .frontier import plot_plan
 from .known_configs import KNOWN_CONFIGS, known_config_rows
-from .memory_parts import memory_parts, without_optimizer_note
 from .model_lookup import check_measurable, check_model_name, resolve_model
 from .profiling import profile_with_bar
 from .progress import stage
@@ -23,9 +22,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["run_plan", "model_list"]
-
-# How the measured plan's report names each optimizer's state.
-_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adamw-8bit": "8-bit AdamW", "sgd": "SGD"}
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -41,6 +37,7 @@ def run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from gradckpt.budget import format_bytes
+    from gradckpt.measure.memory_parts import OPTIMIZER_NAMES, memory_parts
     from gradckpt.report import memory_breakdown_table
     from gradckpt.solvers import solve
 
@@ -60,7 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
     sample = to_device(target.sample, device)
     stage("profiling one training step and each block")
     optimizer = None if args.optimizer == "none" else args.optimizer
-    optimizer_name = _OPTIMIZER_NAMES.get(args.optimizer, args.optimizer)
+    optimizer_name = OPTIMIZER_NAMES.get(args.optimizer, args.optimizer)
     profile = profile_with_bar(model, sample, keep_output=not args.drop_output,
                                optimizer=optimizer)
     optimizer_bytes = profile.optimizer_state_bytes
@@ -89,8 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "the predicted peak and the budget"
         )
     print()
-    print(memory_breakdown_table(memory_parts(model, profile, plan, optimizer_bytes,
-                                              optimizer_name)))
+    print(memory_breakdown_table(memory_parts(model, profile, plan, optimizer=optimizer)))
     if args.json:
         Path(args.json).write_text(plan.to_json())
         print(f"\nplan written to {args.json}")

@@ -10,6 +10,9 @@
   runs one step under it. ``profile``, the tests and ``bench/`` all measure with it.
 - ``peak_memory``: the public ``with`` block around the user's own code (``peak.bytes``), on
   the same meter.
+- ``memory_parts``: what a step's memory is made of (parameters, gradients, optimizer state,
+  activations, the output head, ...), for a measured or predicted profile and for a plan;
+  ``report`` renders it.
 - ``infer_device``: the device a model, optimizer or batch lives on.
 - ``run_model``, ``loss_of``, ``training_step``: the user's step (how the model is called on a
   sample, its loss, what stays alive until backward ends).

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .tensors import tensor_bytes
 
 __all__ = [
     "OPTIMIZER_STATES_PER_PARAMETER", "OPTIMIZER_STATE_BYTES_PER_PARAMETER",
@@ -77,7 +78,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | str | None, model: 
         if name not in by_lower_name:
             known = ", ".join(sorted([*by_lower_name, *OPTIMIZER_STATE_BYTES_PER_PARAMETER]))
             raise UsageError(f"unknown optimizer {optimizer!r}; known: {known}")
-        return by_lower_name[name] * sum(_bytes(p) for p in trainable)
+        return by_lower_name[name] * sum(tensor_bytes(p) for p in trainable)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(
             "optimizer must be a torch.optim.Optimizer, a name or None; got "
@@ -89,9 +90,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | str | None, model: 
         for parameter in _trainable(group["params"]):
             state = optimizer.state.get(parameter)
             if state:  # already created: count what is there
-                total += sum(_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+                total += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
             else:
-                total += per_parameter * _bytes(parameter)
+                total += per_parameter * tensor_bytes(parameter)
     return total
 
 
@@ -118,8 +119,4 @@ def accumulated_gradient_bytes(model: nn.Module, accumulation_steps: int) -> int
     """
     if accumulation_steps <= 1:
         return 0
-    return sum(_bytes(p) for p in _trainable(model.parameters()))
-
-
-def _bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    return sum(tensor_bytes(p) for p in _trainable(model.parameters()))

@@ -7,7 +7,6 @@ What prediction adds lives here:
 - ``estimate.py``: ``gradckpt.estimate``, the one entry (``world_size`` included);
 - ``clock.py``: the modeled clock, a roofline per operation on the target device;
 - ``attention.py``: the attention kernel PyTorch would pick on the target GPU;
-- ``memory_parts.py``: what the predicted step's memory is made of;
 - ``per_rank.py``: one rank's profile when FSDP2 shards the model over ``world_size`` ranks;
 - ``devices/``: the device catalogue (presets, this machine, numbers a user gives).
 

@@ -28,6 +28,7 @@ from ..engine import storage_key
 from ..engine.module import replace_forward
 from ..errors import UsageError
 from ..measure.chain import resolve_blocks
+from ..measure.memory_parts import CUDA_RESERVE, CUDA_RESERVE_BYTES, memory_parts
 from ..measure.profile import profile
 from ..measure.step import run_model
 from ..measure.tensors import tensor_bytes
@@ -35,7 +36,6 @@ from ..profile_types import Profile
 from .attention import TargetAttention
 from .clock import ModeledClock
 from .devices import DeviceSpec, device_spec
-from .memory_parts import CUDA_RESERVE, memory_parts
 from .per_rank import BLOCK_PARAMETERS, shard
 
 __all__ = ["estimate"]
@@ -133,9 +133,9 @@ def estimate(
                 progress=progress,
             )
             copies = _parameter_copy_bytes(model, fake_sample) if autocast is not None else 0
-        parts = memory_parts(model, predicted, predicted.optimizer_state_bytes, spec)
-        if copies:
-            parts["mixed-precision copies of the parameters"] = copies
+        reserve_bytes = CUDA_RESERVE_BYTES if spec.kind == "cuda" else 0
+        parts = dict(memory_parts(model, predicted, mixed_precision_copy_bytes=copies,
+                                  cuda_reserve_bytes=reserve_bytes).parts)
         block_parameter_bytes = [
             sum(tensor_bytes(p) for p in module.parameters())
             for _, module in resolve_blocks(model, [b.name for b in predicted.blocks])]

@@ -45,13 +45,17 @@ from __future__ import annotations
 import dataclasses
 
 from ..cost import plan_for
+from ..measure.memory_parts import (
+    FSDP_GATHERED,
+    FSDP_ROOT,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+)
 from ..profile_types import BlockProfile, Profile
-from .memory_parts import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 
 __all__ = ["BLOCK_PARAMETERS", "shard"]
 
-GATHERED = "gathered in full while a block computes (FSDP)"
-ROOT = "parameters outside the blocks and their gradients, in full (FSDP root)"
 # Per block, its parameters' bytes in the dtype trained in (``estimate`` notes them).
 BLOCK_PARAMETERS = "block_parameter_bytes"
 
@@ -88,12 +92,12 @@ def shard(predicted: Profile, world_size: int) -> Profile:
     for name in (PARAMETERS, OPTIMIZER_STATE, GRADIENTS):
         if name in parts:
             parts[name] = int(parts[name] * keep)
-    parts[GATHERED] = max(
+    parts[FSDP_GATHERED] = max(
         (max(2 * gathered[i], held) for i, held in enumerate(_backward_held(gathered, gradients))),
         default=0,
     )
     if root:
-        parts[ROOT] = root + root_gradients
+        parts[FSDP_ROOT] = root + root_gradients
     # What the one-process step started with: ``fixed_bytes`` counts the optimizer's state and
     # accumulated gradients besides it, and the step's phase peaks are absolute.
     accumulated = predicted.accumulated_gradient_bytes

@@ -7,7 +7,8 @@ tables the core needs live below this module and are re-exported here:
 - ``plan_table``, ``plan_summary`` (``gradckpt.plan``): one row per block saying what happens
   to its activations, then the plan's predictions (this is ``str(plan)``);
 - ``memory_breakdown_table``: what takes the memory of a step (parameters, gradients, ...),
-  read against the predicted peak;
+  read against the predicted peak: the parts ``gradckpt.measure.memory_parts`` counts
+  (``MemoryParts``), named as ``part_label`` says;
 - ``plot_frontier``, ``plot_memory_vs_depth``: PNG plots. They need matplotlib (the ``plot``
   extra, ``pip install 'gradckpt[plot]'``); without it they raise ``PlotsUnavailable``, which
   says so. ``draw_frontier`` and ``draw_memory_vs_depth`` return what they would write (the
@@ -24,10 +25,9 @@ Example:
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
-from typing import NamedTuple
 
 from ..budget import format_bytes
+from ..measure.memory_parts import GRADIENTS, OPTIMIZER_STATE, PARAMETERS, MemoryParts
 from ..plan import plan_summary, plan_table
 from ..tables import format_table
 from .plots import (
@@ -50,6 +50,7 @@ __all__ = [
     "draw_memory_vs_depth",
     "format_table",
     "frontier_staircase",
+    "part_label",
     "plan_table",
     "plan_summary",
     "memory_breakdown_table",
@@ -57,27 +58,13 @@ __all__ = [
     "plot_memory_vs_depth",
 ]
 
-
-
-class MemoryParts(NamedTuple):
-    """What takes a step's memory, part by part, and the predicted peak they are read against.
-
-    ``parts``: (name, bytes) pairs. They are sizes, not one instant: what the forward pass keeps
-    is freed as the backward pass makes the gradients, so they need not add up to the peak.
-    ``outside_peak``: names of parts the peak does not count (an estimate's CUDA reserve).
-    """
-
-    parts: Sequence[tuple[str, int]]
-    predicted_peak_bytes: int
-    outside_peak: frozenset[str] = frozenset()
-
-
 MEMORY_TABLE_TITLE = "what takes the memory (sizes; not all alive at one instant)"
 
 
 def memory_breakdown_table(memory: MemoryParts, device_bytes: int | None = None) -> str:
     """What takes the memory, largest first: each part's size and share of the predicted peak
-    (and of the device, given ``device_bytes``), then how the parts relate to the peak.
+    (and of the device, given ``device_bytes``; parts outside the peak say so), then how the
+    parts relate to the peak.
 
     Example:
         >>> parts = [("parameters", 6 * 2**20), ("logits", 20 * 2**20), ("gradients", 6 * 2**20)]
@@ -97,11 +84,30 @@ def memory_breakdown_table(memory: MemoryParts, device_bytes: int | None = None)
     for name, size in sorted(memory.parts, key=lambda part: -part[1]):
         of_peak = ("outside" if name in memory.outside_peak
                    else _share(size, memory.predicted_peak_bytes))
-        row = [name, format_bytes(size), of_peak]
+        row = [part_label(name, memory.world_size), format_bytes(size), of_peak]
         if device_bytes:
             row.append(_share(size, device_bytes))
         rows.append(row)
     return f"{format_table(header, rows)}\n{parts_against_peak(memory)}"
+
+
+def part_label(name: str, world_size: int) -> str:
+    """How the table names a part: with ``world_size`` ranks sharding the model, the parts each
+    rank keeps 1/N of say so (``--json`` keeps the plain names).
+
+    Example:
+        >>> part_label("parameters", 8)
+        'parameters (1/8 per rank)'
+        >>> part_label("optimizer state (AdamW)", 8)
+        'optimizer state (AdamW, 1/8 per rank)'
+        >>> part_label("parameters", 1)
+        'parameters'
+    """
+    sharded = name in (PARAMETERS, GRADIENTS) or name.startswith(OPTIMIZER_STATE)
+    if world_size == 1 or not sharded:
+        return name
+    share = f"1/{world_size} per rank"
+    return f"{name[:-1]}, {share})" if name.endswith(")") else f"{name} ({share})"
 
 
 def parts_against_peak(memory: MemoryParts) -> str:

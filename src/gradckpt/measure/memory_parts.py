@@ -1,0 +1,195 @@
+"""What a training step's memory is made of, part by part: the one breakdown and its labels.
+
+``memory_parts`` counts the parts of a measured or a predicted profile (parameters, gradients
+of the trainable ones, optimizer state, the activations kept for backward, the output head's
+logits and loss, ...) and, given a plan solved from it, the parts under that plan, with the
+rest of the plan's predicted peak. ``estimate`` notes a profile's parts in
+``Profile.notes["memory_parts"]``, ``predict.per_rank`` divides some of them among ranks by
+their labels, and ``gradckpt.report.memory_breakdown_table`` renders them (the table
+``gradckpt plan`` prints). The parts are sizes, not one instant: they need not add up to the
+peak, since activations are freed as gradients are made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+from torch import nn
+
+from ..profile_types import Profile
+from .tensors import tensor_bytes
+
+__all__ = [
+    "ACTIVATIONS", "CUDA_RESERVE", "CUDA_RESERVE_BYTES", "FSDP_GATHERED", "FSDP_ROOT",
+    "GRADIENTS", "MIXED_PRECISION_COPIES", "MemoryParts", "OPTIMIZER_NAMES", "OPTIMIZER_STATE",
+    "OUTPUT_HEAD", "PARAMETERS", "PLAN_ACTIVATIONS", "THE_REST", "memory_parts",
+    "optimizer_state_label", "retained_activation_bytes",
+]
+
+# The labels: the names the parts go by in Profile.notes, the table and ``--json``.
+PARAMETERS = "parameters"
+GRADIENTS = "gradients (trainable parameters)"
+OPTIMIZER_STATE = "optimizer state"  # "optimizer state (AdamW)" once the optimizer is named
+ACTIVATIONS = "activations kept for backward (no checkpointing)"
+PLAN_ACTIVATIONS = "activations kept for backward (under this plan)"
+OUTPUT_HEAD = "logits, loss and their gradients (the output head)"
+MIXED_PRECISION_COPIES = "mixed-precision copies of the parameters"
+# One rank of an FSDP2 run (``predict.per_rank``).
+FSDP_GATHERED = "gathered in full while a block computes (FSDP)"
+FSDP_ROOT = "parameters outside the blocks and their gradients, in full (FSDP root)"
+# What a process on a GPU loses before its first tensor and never sees in
+# max_memory_allocated(): the CUDA context (kernels, cuBLAS/cuDNN workspaces: 0.5-1 GiB on
+# recent GPUs and drivers) and the caching allocator's fragmentation. ``estimate`` adds a
+# fixed allowance for it on a GPU target; the peak does not count it.
+CUDA_RESERVE = "CUDA context and allocator reserve (outside the peak)"
+CUDA_RESERVE_BYTES = 2 * 2**30
+# A plan's predicted peak beyond the other parts.
+THE_REST = "the rest (inputs, temporaries, recomputation)"
+
+# How the parts name the optimizers ``gradckpt plan --optimizer`` takes.
+OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "adamw-8bit": "8-bit AdamW", "sgd": "SGD"}
+
+
+class MemoryParts(NamedTuple):
+    """What takes a step's memory, part by part, and the predicted peak they are read against.
+
+    ``parts``: (name, bytes) pairs. They are sizes, not one instant: what the forward pass keeps
+    is freed as the backward pass makes the gradients, so they need not add up to the peak.
+    ``outside_peak``: names of parts the peak does not count (an estimate's CUDA reserve).
+    ``world_size``: with more than one, the sizes are one rank's of that many sharding the
+    model (the table says which parts each rank keeps 1/N of).
+    """
+
+    parts: Sequence[tuple[str, int]]
+    predicted_peak_bytes: int
+    outside_peak: frozenset[str] = frozenset()
+    world_size: int = 1
+
+
+class SolvedPlan(Protocol):
+    """What the breakdown reads of a ``gradckpt.Plan`` (a layer above this one)."""
+
+    segments: Sequence[Any]
+    predicted_peak_bytes: int
+
+
+def memory_parts(
+    model: nn.Module,
+    profile: Profile,
+    plan: SolvedPlan | None = None,
+    *,
+    optimizer: str | None = None,
+    mixed_precision_copy_bytes: int = 0,
+    cuda_reserve_bytes: int = 0,
+) -> MemoryParts:
+    """What takes the step's memory, part by part: of ``profile`` as it was taken (no
+    checkpointing), read against its peak; or under ``plan`` (solved from it), read against the
+    plan's predicted peak, with the activations the plan keeps and the rest of that peak.
+
+    A profile from ``estimate`` starts from the parts it noted (``notes["memory_parts"]``: one
+    rank's, when sharded); any other from ``model``'s parameters and the profile's bytes, plus
+    ``mixed_precision_copy_bytes`` and ``cuda_reserve_bytes`` (what ``estimate`` adds). Parts of
+    no bytes are left out.
+
+    Args:
+        model: the model profiled (its parameters are counted once each).
+        profile: its measured or predicted profile.
+        plan: a plan solved from ``profile``; None: the step without checkpointing.
+        optimizer: the ``--optimizer`` name that the optimizer state's label gives
+            (``"adamw"``: "optimizer state (AdamW)"), with a plan.
+        mixed_precision_copy_bytes: the weights' copies autocast makes (``estimate``).
+        cuda_reserve_bytes: the CUDA context and allocator reserve, outside the peak.
+
+    Returns:
+        A ``MemoryParts``, for ``gradckpt.report.memory_breakdown_table``.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.toy_models import mlp_chain
+        >>> model = mlp_chain(4, 8)
+        >>> profile = gradckpt.profile(model, torch.randn(16, 8), repeats=1)
+        >>> step = memory_parts(model, profile)  # as profiled: no checkpointing
+        >>> for name, _ in step.parts:
+        ...     print(name)
+        parameters
+        gradients (trainable parameters)
+        activations kept for backward (no checkpointing)
+        logits, loss and their gradients (the output head)
+        >>> plan = gradckpt.solve(profile, None, "sqrt")
+        >>> under_plan = memory_parts(model, profile, plan)
+        >>> dict(under_plan.parts)[PLAN_ACTIVATIONS] < dict(step.parts)[ACTIVATIONS]
+        True
+        >>> under_plan.predicted_peak_bytes == plan.predicted_peak_bytes
+        True
+    """
+    parts = dict(profile.notes.get("memory_parts") or _step_parts(
+        model, profile, mixed_precision_copy_bytes, cuda_reserve_bytes))
+    outside = frozenset({CUDA_RESERVE} & parts.keys())
+    world_size = profile.notes.get("world_size", 1)
+    if plan is None:
+        return MemoryParts(list(parts.items()), profile.peak_bytes, outside, world_size)
+    renamed = {ACTIVATIONS: PLAN_ACTIVATIONS, OPTIMIZER_STATE: optimizer_state_label(optimizer)}
+    named = {renamed.get(name, name): size for name, size in parts.items()}
+    named[PLAN_ACTIVATIONS] = retained_activation_bytes(profile, plan)  # in the step's place
+    inside_bytes = sum(size for name, size in named.items() if name not in outside)
+    named[THE_REST] = plan.predicted_peak_bytes - inside_bytes
+    parts_of_plan = [(name, size) for name, size in named.items() if size > 0]
+    return MemoryParts(parts_of_plan, plan.predicted_peak_bytes, outside, world_size)
+
+
+def optimizer_state_label(optimizer: str | None) -> str:
+    """The optimizer state's label, naming the optimizer when it is known.
+
+    Example:
+        >>> optimizer_state_label("adamw"), optimizer_state_label(None)
+        ('optimizer state (AdamW)', 'optimizer state')
+    """
+    if optimizer is None:
+        return OPTIMIZER_STATE
+    return f"{OPTIMIZER_STATE} ({OPTIMIZER_NAMES.get(optimizer, optimizer)})"
+
+
+def retained_activation_bytes(profile: Profile, plan: SolvedPlan) -> int:
+    """What the chain keeps for backward at the end of the forward pass under the plan: what
+    its kept blocks save, each segment's input, the matmul outputs a policy keeps, and the side
+    inputs (an encoder's output the decoder saves), which stay whatever the plan.
+
+    Example:
+        >>> from gradckpt import solve
+        >>> from gradckpt.profile_types import BlockProfile, Profile
+        >>> chain = Profile([BlockProfile(f"b{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)],
+        ...                 peak_bytes=300, fixed_bytes=0, step_seconds=12.0)
+        >>> retained_activation_bytes(chain, solve(chain, None, "none"))  # 4 blocks x 50
+        200
+        >>> retained_activation_bytes(chain, solve(chain, None, "every-layer"))  # 4 inputs
+        40
+    """
+    blocks = profile.blocks
+    covered = {index for segment in plan.segments for index in segment.blocks()}
+    kept = sum(block.saved_bytes for index, block in enumerate(blocks) if index not in covered)
+    inputs = sum(blocks[segment.start].input_bytes for segment in plan.segments)
+    matmuls = sum(
+        blocks[index].matmul_bytes
+        for segment in plan.segments
+        if segment.policy and not segment.children
+        for index in segment.blocks()
+    )
+    sides = sum(block.side_bytes for block in blocks)
+    return kept + inputs + matmuls + sides
+
+
+def _step_parts(model: nn.Module, profile: Profile, mixed_precision_copy_bytes: int,
+                cuda_reserve_bytes: int) -> dict[str, int]:
+    """The parts of the step without checkpointing, counted from the model and the profile."""
+    parameters = {id(p): p for p in model.parameters()}.values()
+    parts = {
+        PARAMETERS: sum(tensor_bytes(p) for p in parameters),
+        GRADIENTS: sum(tensor_bytes(p) for p in parameters if p.requires_grad),
+        OPTIMIZER_STATE: profile.optimizer_state_bytes,
+        ACTIVATIONS: sum(block.saved_bytes + block.side_bytes for block in profile.blocks),
+        OUTPUT_HEAD: profile.head_bytes,
+        CUDA_RESERVE: cuda_reserve_bytes,
+        MIXED_PRECISION_COPIES: mixed_precision_copy_bytes,
+    }
+    return {name: size for name, size in parts.items() if size}
