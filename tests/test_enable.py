@@ -1,7 +1,13 @@
 """End to end: ``gradckpt.enable`` picks a plan for a budget, and the step then measured fits it
-with gradients equal to the plain model's (the promise: "told before it runs, and right")."""
+with gradients equal to the plain model's (the promise: "told before it runs, and right").
+``enable`` is ``plan_and_apply``, the one profile → solve → apply path the Trainer callback
+takes too, with a warning when no optimizer is given; a bad request is refused before anything
+runs."""
 
 from __future__ import annotations
+
+import importlib
+import warnings
 
 import pytest
 import torch
@@ -9,8 +15,10 @@ from hf_models import tiny_clip, tiny_llama
 from torch import nn
 
 import gradckpt
-from gradckpt import BudgetError
+from gradckpt import BudgetError, UsageError
 from gradckpt.cost import simulate
+from gradckpt.enable import check_request, plan_and_apply
+from gradckpt.errors import forget_warnings
 from gradckpt.measure import loss_of, measure_peak_bytes
 from gradckpt.plan import Segment
 from gradckpt.solvers.optimal import minimum_peak_bytes
@@ -237,3 +245,84 @@ def test_optimal_never_loses_to_every_kth_layer_at_its_own_peak(k: int) -> None:
     peak, seconds = simulate(measured, layout)
     plan = gradckpt.solve(measured, measured.fixed_bytes + peak, "optimal")
     assert plan.predicted_extra_seconds <= seconds + 1e-12, plan.segments
+
+
+def small_gpt() -> tuple[TinyGPT, dict]:
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16))
+    idx = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"idx": idx, "targets": idx}
+
+
+def test_enable_takes_plan_and_apply_which_gives_the_plan_and_its_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """enable's work is plan_and_apply's: what it is called with, the plan it returns."""
+    enable_module = importlib.import_module("gradckpt.enable")
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return plan_and_apply(*args, **kwargs)
+
+    monkeypatch.setattr(enable_module, "plan_and_apply", recording)
+    model, sample = small_gpt()
+    plan = gradckpt.enable(model, sample, None, "sqrt", optimizer="sgd", accumulation_steps=2,
+                           keep_output=False)
+    assert calls == [((model, sample, None, "sqrt", None, None),
+                      {"optimizer": "sgd", "accumulation_steps": 2, "keep_output": False})]
+    assert gradckpt.get_plan(model) is plan and plan.segments
+    gradckpt.disable(model)
+
+    progress = []
+    again, measured = plan_and_apply(model, sample, None, "sqrt", optimizer="sgd",
+                                     accumulation_steps=2, keep_output=False,
+                                     progress=lambda done, total: progress.append((done, total)))
+    assert gradckpt.get_plan(model) is again and again.segments == plan.segments
+    assert isinstance(measured, gradckpt.Profile) and measured.accumulated_gradient_bytes > 0
+    assert measured.notes["keep_output"] is False
+    total = progress[-1][1]
+    assert progress == [(done, total) for done in range(1, total + 1)]
+    gradckpt.disable(model)
+
+
+def test_only_enable_warns_without_an_optimizer() -> None:
+    """The warning is enable's, pointing at the user's call; plan_and_apply's callers (the
+    Trainer callback) pass the optimizer their loop steps, ``None`` for none."""
+    model, sample = small_gpt()
+    forget_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_and_apply(model, sample, None, "sqrt", optimizer=None)
+        gradckpt.enable(model, sample, None, "sqrt")
+    forget_warnings()
+    gradckpt.disable(model)
+    ours = [w for w in caught if issubclass(w.category, gradckpt.GradckptWarning)]
+    assert len(ours) == 1 and "gradckpt.enable() got no optimizer=" in str(ours[0].message)
+    assert ours[0].filename == __file__
+
+
+@pytest.mark.parametrize(
+    ("budget", "strategy", "message"),
+    [
+        ("6 gigs", "optimal", r"budget '6 gigs' not understood"),
+        ("60%", "fastest", r"unknown strategy 'fastest'; valid strategies: none, every-layer"),
+        (None, "optimal", r"strategy 'optimal' chooses its plan for a budget.*'sqrt'"),
+        (None, "chen-greedy", r"strategy 'chen-greedy' chooses its plan for a budget"),
+    ],
+)
+def test_a_bad_request_is_refused_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch, budget: object, strategy: str, message: str
+) -> None:
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("profiled a request that check_request refuses")
+
+    monkeypatch.setattr(importlib.import_module("gradckpt.enable"), "profile", must_not_run)
+    model, sample = small_gpt()
+    with pytest.raises(UsageError, match=message):
+        check_request(budget, strategy)
+    with pytest.raises(UsageError, match=message):
+        gradckpt.enable(model, sample, budget, strategy, optimizer="none")
+    with pytest.raises(UsageError, match=message):
+        plan_and_apply(model, sample, budget, strategy, optimizer="none")
+    assert gradckpt.get_plan(model) is None

@@ -1,6 +1,7 @@
 """``GradckptCallback``: a Hugging Face Trainer run with it trains exactly as without it, within
-the budget, the optimizer's state and accumulated gradients counted; bad input is refused
-before anything is applied.
+the budget, the optimizer's state and accumulated gradients counted; it plans through
+``gradckpt.enable``'s own path and so makes the plan ``enable`` makes for the Trainer's step;
+bad input is refused before anything is applied.
 
 Every run is a few real Trainer steps of a tiny Llama (random weights, nothing downloaded) on
 CPU; the plain runs the checkpointed ones are compared with are computed once per module.
@@ -33,6 +34,7 @@ from gradckpt.integrations import hf_trainer
 from gradckpt.integrations.hf_trainer import GradckptCallback
 from gradckpt.measure import MemoryMeter, profile
 from gradckpt.measure.training_state import optimizer_state_bytes
+from gradckpt.predict.clock import ModeledClock
 
 SEQUENCE_LENGTH = 32
 # Low enough that the plan recomputes something, high enough to be feasible with Adam's state
@@ -110,14 +112,15 @@ def lora(model: nn.Module) -> nn.Module:
 
 
 def count_profile_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The samples ``gradckpt.profile`` is called with by the callback, from now on."""
+    """The samples ``gradckpt.profile`` is called with by the callback, from now on: on
+    ``enable``'s path (``gradckpt.enable.plan_and_apply``), which the callback takes."""
     samples: list[Any] = []
 
     def counting_profile(model: nn.Module, sample: Any, *args: Any, **kwargs: Any) -> Any:
         samples.append(sample)
         return profile(model, sample, *args, **kwargs)
 
-    monkeypatch.setattr(hf_trainer, "profile", counting_profile)
+    monkeypatch.setattr(importlib.import_module("gradckpt.enable"), "profile", counting_profile)
     return samples
 
 
@@ -210,6 +213,62 @@ def test_plans_once_before_the_first_step_and_logs_the_plan_once(
     assert plan_is_applied(model)  # left applied when training ends ...
     gradckpt.disable(model)  # ... until disabled
     assert not plan_is_applied(model)
+
+
+class FixedRoofline:
+    """A device for ``ModeledClock``: every time measured is the operations' roofline on it,
+    the same in every run, so that two profiles of one step solve to one plan."""
+
+    def seconds(self, flops: float, bytes_moved: float, dtype: torch.dtype) -> float:
+        return max(flops / 1e12, bytes_moved / 1e9)
+
+
+def token_sample() -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 256, (2, SEQUENCE_LENGTH), generator=torch.Generator().manual_seed(4))
+    return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["llama", "lora"])
+def test_the_callback_makes_the_plan_enable_makes_for_the_trainers_step(
+    tmp_root: Path, with_lora: bool
+) -> None:
+    """The same model, batch, optimizer and accumulation: the callback and ``enable`` (told
+    that the loop drops the output first, as the Trainer's does) give the same plan and the
+    same measured step. Times come from a modeled clock, so that both solve the same numbers
+(measured, they differ from run to run and could tip the choice between two plans)."""
+
+    def model() -> nn.Module:
+        built = tiny_llama()
+        return (lora(built) if with_lora else built).train()
+
+    def adamw(planned: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in planned.parameters() if p.requires_grad])
+
+    by_callback, by_enable = model(), model()
+    callback = GradckptCallback(budget=BUDGET, sample=token_sample())
+    with ModeledClock(FixedRoofline()):
+        measured = gradckpt.profile(by_enable, token_sample(), optimizer=adamw(by_enable),
+                                    accumulation_steps=2, keep_output=False, repeats=1)
+        callback.on_train_begin(
+            training_args(tmp_root / f"as-enable-{with_lora}", gradient_accumulation_steps=2),
+            transformers.TrainerState(), transformers.TrainerControl(), model=by_callback,
+            optimizer=adamw(by_callback),
+        )
+        plan = gradckpt.enable(by_enable, token_sample(), BUDGET, optimizer=adamw(by_enable),
+                               accumulation_steps=2, keep_output=False)
+    got = callback.plan
+    assert plan.segments and (got.strategy, got.budget_bytes, got.segments) == (
+        plan.strategy, plan.budget_bytes, plan.segments)
+    assert got.predicted_peak_bytes == plan.predicted_peak_bytes
+    # Modeled seconds are sums of floats, equal to rounding.
+    assert got.predicted_overhead == pytest.approx(plan.predicted_overhead, rel=1e-9)
+    assert gradckpt.get_plan(by_callback) is callback.plan
+    assert gradckpt.get_plan(by_enable) is plan
+    for field in ("peak_bytes", "fixed_bytes", "optimizer_state_bytes",
+                  "accumulated_gradient_bytes"):
+        assert getattr(callback.profile, field) == getattr(measured, field), field
+    gradckpt.disable(by_callback)
+    gradckpt.disable(by_enable)
 
 
 def test_budget_holds_with_the_optimizer_state_and_accumulated_gradients(tmp_root: Path) -> None:
@@ -350,6 +409,37 @@ def test_an_infeasible_budget_leaves_the_model_as_it_was(
     assert [m.training for m in model.modules()] == modes
     assert model.config.use_cache is use_cache  # the adapters were undone after profiling
     assert torch.equal(logits(model, inputs), expected)
+
+
+@pytest.mark.parametrize("failure", ["infeasible budget", "bad loss_fn"])
+def test_bad_input_leaves_a_planned_model_with_its_plan(tmp_root: Path, failure: str) -> None:
+    """A model ``enable`` planned: the callback would replace that plan (enable's path), but
+    a budget no plan meets or a loss it cannot use gets the callback's clear error and leaves
+    enable's plan on, the model computing what it computed."""
+    model = tiny_llama()
+    earlier = gradckpt.enable(model, token_sample(), budget=None, strategy="sqrt",
+                              optimizer="adamw", keep_output=False)
+    model.eval()  # the callback profiles in training mode, and puts the modes back
+    modes, inputs = [m.training for m in model.modules()], token_sample()["input_ids"]
+    expected = logits(model, inputs)
+    if failure == "infeasible budget":
+        callback = GradckptCallback(budget=1024, sample=token_sample())
+        raised = BudgetError
+        message = r"(?s)GradckptCallback\(budget=1024\): .*GradckptCallback\(budget='[^']+'\)\."
+    else:
+        not_a_scalar = lambda output: output.logits  # noqa: E731
+        callback = GradckptCallback(budget=BUDGET, sample=token_sample(), loss_fn=not_a_scalar)
+        raised = UsageError
+        message = r"GradckptCallback could not profile LlamaForCausalLM: .*scalar.*loss_fn="
+    with pytest.raises(raised, match=message):
+        callback.on_train_begin(
+            training_args(tmp_root / f"planned-{failure}"), transformers.TrainerState(),
+            transformers.TrainerControl(), model=model,
+        )
+    assert callback.plan is None and gradckpt.get_plan(model) is earlier
+    assert [m.training for m in model.modules()] == modes
+    assert torch.equal(logits(model, inputs), expected)
+    gradckpt.disable(model)
 
 
 def logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:

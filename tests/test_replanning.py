@@ -229,6 +229,30 @@ def test_profile_of_a_planned_model_is_the_plain_models_and_keeps_the_plan() -> 
     assert len(calls) == 2  # forward and recomputation: the plan is still on
 
 
+def test_the_trainer_callback_replans_a_model_enable_planned(tmp_path) -> None:
+    """The Trainer callback takes enable's path (``enable.plan_and_apply``): on a model enable
+    planned, it measures the plain model and replaces enable's plan, with no warning about the
+    flags gradckpt set; the model then trains as the plain one."""
+    from gradckpt.integrations.hf_trainer import GradckptCallback
+
+    plain, model = llama(2), llama(2)
+    batch = sample()
+    callback = GradckptCallback(budget=None, strategy="every-layer", sample=batch)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with no_gradckpt_warnings():
+        first = gradckpt.enable(model, batch, budget=None, strategy="sqrt", optimizer="none")
+        callback.on_train_begin(args, transformers.TrainerState(),
+                                transformers.TrainerControl(), model=model)
+    plan = callback.plan
+    assert gradckpt.get_plan(model) is plan and plan is not first
+    assert [(s.start, s.end) for s in plan.segments] == [(0, 0), (1, 1)]  # every layer
+    # The Trainer's step (AdamW, the output dropped first) of the plain model.
+    expected = gradckpt.profile(plain, batch, optimizer="adamw", keep_output=False, repeats=1)
+    assert byte_fields(callback.profile) == byte_fields(expected)
+    assert_identical(train_step(model, batch), train_step(plain, batch))
+    gradckpt.disable(model)
+
+
 def test_get_plan_and_is_checkpointed_say_what_is_on() -> None:
     model = llama(2)
     assert gradckpt.get_plan(model) is None and not gradckpt.is_checkpointed(model)

@@ -5,6 +5,11 @@
 peak counted); it returns the plan, whose ``str`` and ``predicted_peak_bytes`` say what the
 step will cost before it runs. On a model that carries a plan, it measures the model without
 it and replaces it; when anything fails, the model keeps the plan it had.
+
+``plan_and_apply`` is that path, profile → solve → apply, written once: ``enable`` wraps it, and
+the Hugging Face Trainer's callback (``integrations.hf_trainer``) calls it with what the Trainer
+fixes (its optimizer, its accumulation, a loop that drops the output first). ``check_request``
+refuses a strategy or budget it cannot use before anything runs.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from .measure import profile
 from .measure.optimizer_step import check_optimizer
 from .measure.training_state import optimizer_state_bytes
 from .plan import Plan
-from .solvers import STRATEGIES, solve
+from .profile_types import Profile
+from .solvers import BUDGET_DRIVEN, STRATEGIES, solve
 
-__all__ = ["enable"]
+__all__ = ["check_request", "enable", "plan_and_apply"]
 
 
 def enable(
@@ -88,22 +94,101 @@ def enable(
         True
         >>> gradckpt.disable(model)
     """
-    if budget is not None:  # None: the fixed strategies' plan, whatever it costs
-        check_budget(budget)
-    if strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {strategy!r}; valid strategies: "
-                         f"{', '.join(STRATEGIES)}")
-    if optimizer is None:
+    check_request(budget, strategy)  # a bad request is refused before any warning
+    if optimizer is None:  # "none": no optimizer step, and no warning
         _warn_without_optimizer(model)
-    optimizer = check_optimizer(optimizer)  # "none": no optimizer step, and no warning
+    plan, _ = plan_and_apply(model, sample, budget, strategy, loss_fn, blocks,
+                             optimizer=optimizer, accumulation_steps=accumulation_steps,
+                             keep_output=keep_output)
+    return plan
+
+
+def plan_and_apply(
+    model: nn.Module,
+    sample: Any,
+    budget: int | str | None,
+    strategy: str,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    blocks: Any = None,
+    *,
+    optimizer: torch.optim.Optimizer | str | None,
+    accumulation_steps: int = 1,
+    keep_output: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Plan, Profile]:
+    """Profile ``model`` on ``sample``, solve for ``budget``, apply the plan: ``enable``'s path.
+
+    The one path every entry that plans a model takes (``enable``, the Trainer callback, the
+    CLI), so that they plan the same step alike: the model is measured without any plan it
+    carries, under ``torch.distributed`` rank 0 solves and every rank gets its plan
+    (``distributed.agreed_on_every_rank``), and the plan replaces the old one; after any error
+    the model is as it was, its earlier plan included. ``enable`` adds what a user calling it
+    needs (a warning when no optimizer is given); callers of this function pass what their loop
+    fixes and translate errors into their own terms.
+
+    Args:
+        model, sample, budget, strategy, loss_fn, blocks, accumulation_steps, keep_output: as
+            for ``enable`` (``keep_output=False``: the Trainer's loop, which drops the output
+            before backward).
+        optimizer: as for ``enable``, without its default: ``None`` counts no optimizer step
+            and warns of nothing.
+        progress: called as ``progress(done, total)`` while profiling, as for ``profile``.
+
+    Returns the plan applied and the profile it was solved from.
+
+    Raises what ``enable`` raises.
+
+    Example:
+        >>> import torch, gradckpt
+        >>> from gradckpt.toy_models import GPTConfig, TinyGPT
+        >>> model = TinyGPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=64))
+        >>> idx = torch.randint(0, 512, (8, 64))
+        >>> plan, measured = plan_and_apply(model, {"idx": idx, "targets": idx}, "70%",
+        ...                                 "optimal", optimizer="adamw", keep_output=False)
+        >>> plan.budget_bytes == measured.peak_bytes * 70 // 100  # of the step planned for
+        True
+        >>> gradckpt.get_plan(model) is plan
+        True
+        >>> gradckpt.disable(model)
+    """
+    check_request(budget, strategy)
+    optimizer = check_optimizer(optimizer)  # a misspelt name is told before anything runs
     # Measured as the model is without a plan; any plan it had comes back if anything fails.
     with replacing_plan(model):
         measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks, optimizer=optimizer,
-                           accumulation_steps=accumulation_steps, keep_output=keep_output)
+                           accumulation_steps=accumulation_steps, keep_output=keep_output,
+                           progress=progress)
         # solve reads a percentage of the measured step and "auto" on the model's device.
         plan = agreed_on_every_rank(lambda: solve(measured, budget, strategy))
         apply(model, plan)
-    return plan
+    return plan, measured
+
+
+def check_request(budget: int | str | None, strategy: str) -> None:
+    """Raise ``UsageError`` for a strategy gradckpt lacks, for ``budget=None`` with a strategy
+    that needs a budget, or for a budget ``parse_budget`` cannot read; nothing is measured, so
+    a percentage and ``"auto"`` are read later, by ``solve``.
+
+    Example:
+        >>> check_request("60%", "optimal"), check_request(None, "sqrt")
+        (None, None)
+        >>> check_request(None, "optimal")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: strategy 'optimal' chooses its plan for a budget and ...
+    """
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {strategy!r}; valid strategies: "
+                         f"{', '.join(STRATEGIES)}")
+    if budget is None:  # the fixed strategies' plan, whatever it costs
+        if strategy in BUDGET_DRIVEN:
+            raise UsageError(
+                f"strategy {strategy!r} chooses its plan for a budget and budget=None gives "
+                f"none; pass one ('6GiB', '60%', 'auto') or use one of the fixed strategies "
+                f"'none', 'every-layer', 'sqrt'"
+            )
+        return
+    check_budget(budget)
 
 
 def _warn_without_optimizer(model: nn.Module) -> None:

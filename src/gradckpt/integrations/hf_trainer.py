@@ -1,9 +1,9 @@
 """Hugging Face ``Trainer``: ``GradckptCallback`` plans and applies gradckpt when training begins.
 
-The callback measures the model on one batch of the run (``gradckpt.profile``, with the
-Trainer's optimizer and gradient accumulation: the steady-state step, as ``gradckpt.enable``
-plans it), solves for the budget, applies the plan and says so, all in ``on_train_begin``:
-after the Trainer has built its optimizer and data loader, before the first step.
+In ``on_train_begin`` (the Trainer's optimizer and data loader built, no step run yet) the
+callback takes ``gradckpt.enable``'s own path, ``enable.plan_and_apply`` (profile, solve,
+apply), on one batch of the run for the step the Trainer runs, and says what it applied. Here:
+what is the Trainer's (its batch, its optimizer, messages and logs in the callback's terms).
 
 This module imports Transformers at the top: it is only imported when a user asks for the
 callback (``gradckpt`` itself imports ``integrations.hf``, which does not need Transformers).
@@ -23,15 +23,13 @@ import torch
 import transformers
 from torch import nn
 
-from ..apply import apply
-from ..budget import check_budget, format_bytes, rounded_up_budget
+from ..budget import format_bytes, rounded_up_budget
 from ..budget_watch import watch_of
-from ..distributed import agreed_on_every_rank
+from ..enable import check_request, plan_and_apply
 from ..errors import BudgetError, UsageError
-from ..measure import infer_device, profile
+from ..measure import infer_device
 from ..plan import Plan
 from ..profile_types import Profile
-from ..solvers import BUDGET_DRIVEN, STRATEGIES, solve
 
 __all__ = ["GradckptCallback"]
 
@@ -76,13 +74,11 @@ class GradckptCallback(transformers.TrainerCallback):
        they are. A ``sample`` passed here is used as given, padded only to a ``max_length``
        passed here. With a data loader whose iteration cannot be repeated (a stream read once),
        pass ``sample=``;
-    2. profiles the model in training mode on that batch, for the step the Trainer runs once
-       it is under way: the model's output dropped before backward (as its ``compute_loss``
-       does), the optimizer's state alive and ``optimizer.step()``'s peak (the Trainer's
-       optimizer; its ``args.optim`` when it has none yet) and, with
-       ``gradient_accumulation_steps`` above 1, the gradients held between micro-batches; a
-       percentage budget is of that whole step's peak; solves for the budget and applies the
-       plan;
+    2. plans through ``gradckpt.enable``'s code, in training mode, for the step the Trainer
+       runs once under way: its optimizer's state and step (its ``args.optim`` when it has
+       none yet), its ``gradient_accumulation_steps``, the output dropped before backward as
+       its ``compute_loss`` does (a percentage budget is of that whole step's peak); the plan
+       replaces any the model carries;
     3. says what it applied in one line on the ``"gradckpt"`` logger at WARNING, which Python
        shows by default (blocks recomputed, predicted peak, budget; the plan's table at INFO),
        and keeps the plan as ``self.plan`` (the profile as ``self.profile``, the optimizer's
@@ -94,9 +90,10 @@ class GradckptCallback(transformers.TrainerCallback):
     It plans once: a second ``trainer.train()`` with the same callback keeps the plan, without
     profiling again (make a new callback to plan again). The plan stays applied when training
     ends; ``gradckpt.disable(model)`` removes it. When planning fails, the model is left as it
-    was and the error says why: ``gradckpt.BudgetError`` (with ``minimum_bytes``) for a budget no
-    plan meets, ``gradckpt.UsageError`` for a model without a chain of blocks it can find (pass
-    ``blocks=``) or a run without a training data loader (pass ``sample=``).
+    was (an earlier plan included) and the error says why: ``gradckpt.BudgetError`` (with
+    ``minimum_bytes``) for a budget no plan meets, ``gradckpt.UsageError`` for a model without
+    a chain of blocks it can find (pass ``blocks=``) or a run without a training data loader
+    (pass ``sample=``).
 
     With ``TrainingArguments(activation_checkpointing=True)`` (``gradient_checkpointing``),
     Transformers' own per-layer checkpointing is turned off while the plan is applied: the plan
@@ -128,7 +125,13 @@ class GradckptCallback(transformers.TrainerCallback):
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         blocks: Any = None,
     ) -> None:
-        _check_budget(budget, strategy)
+        try:
+            check_request(budget, strategy)  # "auto" and percentages are read when planning
+        except UsageError as error:
+            given = f"budget={budget!r}"
+            if strategy != "optimal":
+                given += f", strategy={strategy!r}"
+            raise UsageError(f"GradckptCallback({given}): {error}") from None
         if max_length is not None and (
             isinstance(max_length, bool)
             or not isinstance(max_length, numbers.Integral)
@@ -167,25 +170,23 @@ class GradckptCallback(transformers.TrainerCallback):
                 "GradckptCallback got no model in on_train_begin; it must be passed to a "
                 "transformers.Trainer (callbacks=[GradckptCallback(...)])"
             )
-        device = infer_device(model)
-        sample = self._sample(model, train_dataloader, processing_class, device)
-
-        # Nothing is applied until solving has succeeded, so a UsageError from profile (no
-        # blocks found) or a BudgetError leaves the model as it was.
-        with _training_mode(model):
-            try:
-                measured = profile(
-                    model, sample, loss_fn=self.loss_fn, blocks=self.blocks,
+        sample = self._sample(model, train_dataloader, processing_class, infer_device(model))
+        # enable's path for the Trainer's step; after an error (no blocks found, a budget no
+        # plan meets) the model is as it was.
+        try:
+            with _training_mode(model):
+                plan, measured = plan_and_apply(
+                    model, sample, self.budget, self.strategy, self.loss_fn, self.blocks,
                     optimizer=_optimizer_for(optimizer, args),
                     accumulation_steps=args.gradient_accumulation_steps, keep_output=False,
                 )
-            except UsageError as error:
-                raise UsageError(
-                    f"GradckptCallback could not profile {type(model).__name__}: {error} "
-                    f"(give the callback blocks=, loss_fn= or sample= as needed)"
-                ) from error
-        plan = self._solve(measured)
-        apply(model, plan)
+        except BudgetError as error:
+            raise self._with_a_budget_that_fits(error) from None
+        except UsageError as error:
+            raise UsageError(
+                f"GradckptCallback could not profile {type(model).__name__}: {error} "
+                f"(give the callback blocks=, loss_fn= or sample= as needed)"
+            ) from error
         reserved_bytes = measured.optimizer_state_bytes + measured.accumulated_gradient_bytes
         self.plan, self.profile, self.reserved_bytes = plan, measured, reserved_bytes
         logger.warning("gradckpt: %s", plan_summary(plan, measured, self.budget))
@@ -213,32 +214,24 @@ class GradckptCallback(transformers.TrainerCallback):
         self.measured_peak_bytes = watch.peak_bytes
         logger.warning("gradckpt: %s", watch.summary())
 
-    def _solve(self, measured: Profile) -> Plan:
-        """The plan for the callback's budget (a percentage of the whole step ``measured``,
-        "auto" on the model's device: ``solve`` reads both); an infeasible one says what to
-        pass the callback."""
-        try:
-            return agreed_on_every_rank(lambda: solve(measured, self.budget, self.strategy))
-        except BudgetError as error:
-            smallest = rounded_up_budget(error.minimum_bytes)
-            headline = str(error).split("\n", 1)[0]
-            raise BudgetError(
-                f"GradckptCallback(budget={self.budget!r}): {headline}\n"
-                f"{error.explanation or ''} Pass a budget that fits: "
-                f"GradckptCallback(budget={smallest!r}).".strip(),
-                minimum_bytes=error.minimum_bytes, profile=error.profile,
-                explanation=error.explanation,
-            ) from None
+    def _with_a_budget_that_fits(self, error: BudgetError) -> BudgetError:
+        """An infeasible budget's error, saying what to pass the callback instead."""
+        smallest = rounded_up_budget(error.minimum_bytes)
+        headline = str(error).split("\n", 1)[0]
+        return BudgetError(
+            f"GradckptCallback(budget={self.budget!r}): {headline}\n"
+            f"{error.explanation or ''} Pass a budget that fits: "
+            f"GradckptCallback(budget={smallest!r}).".strip(),
+            minimum_bytes=error.minimum_bytes, profile=error.profile,
+            explanation=error.explanation,
+        )
 
     def _sample(
         self, model: nn.Module, train_dataloader: Any, processing_class: Any, device: torch.device
     ) -> Any:
         """The batch to profile on, on ``device``, padded as the class docstring says."""
-        if self.sample is not None:
-            sample = self.sample
-            collator = None
-            max_length = self.max_length
-        else:
+        sample, collator, max_length = self.sample, None, self.max_length
+        if sample is None:
             if train_dataloader is None:
                 raise UsageError(
                     "GradckptCallback needs a batch to profile the model on and the Trainer "
@@ -246,11 +239,9 @@ class GradckptCallback(transformers.TrainerCallback):
                 )
             sample = _first_batch(train_dataloader)
             collator = _collator_of(train_dataloader)
-            max_length = self.max_length
-            if max_length is None:
-                collator_length = getattr(collator, "max_length", None)
-                if isinstance(collator_length, int) and not isinstance(collator_length, bool):
-                    max_length = collator_length
+            collator_length = getattr(collator, "max_length", None)
+            if max_length is None and type(collator_length) is int:  # not a bool either
+                max_length = collator_length
         sample = _on_device(sample, device)
         if max_length is not None:
             pad_token_id = _pad_token_id(collator, processing_class, model)
@@ -279,29 +270,6 @@ def plan_summary(plan: Plan, measured: Profile, budget: int | str | None) -> str
         f"{_budget_text(budget, plan.budget_bytes)}, {format_bytes(measured.peak_bytes)} "
         f"without checkpointing; +{100 * plan.predicted_overhead:.1f}% time per step"
     )
-
-
-def _check_budget(budget: Any, strategy: Any) -> None:
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise UsageError(
-            f"GradckptCallback(strategy={strategy!r}): unknown strategy; valid strategies: "
-            f"{', '.join(STRATEGIES)}"
-        )
-    if budget is None:
-        if strategy in BUDGET_DRIVEN:
-            raise UsageError(
-                f"GradckptCallback(budget=None, strategy={strategy!r}): this strategy chooses "
-                f"its plan for a budget; pass one ('6GiB', '60%', 'auto') or use one of the "
-                f"fixed strategies 'none', 'every-layer', 'sqrt'"
-            )
-        return
-    # Its form only: "auto" is read when training begins, on the model's device (reading it now
-    # could start CUDA in a process that has not picked its device yet), a percentage once the
-    # model is profiled.
-    try:
-        check_budget(budget)
-    except UsageError as error:
-        raise UsageError(f"GradckptCallback(budget={budget!r}): {error}") from None
 
 
 def _budget_text(budget: int | str | None, budget_bytes: int | None) -> str:
