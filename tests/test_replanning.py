@@ -197,6 +197,19 @@ def test_a_lora_model_enabled_twice_gives_the_plain_lora_gradients() -> None:
     assert gradckpt.get_plan(model) is None
 
 
+def test_profile_of_a_planned_lora_model_does_not_take_the_plans_flags_for_transformers() -> None:
+    """PEFT's wrappers forward attribute reads to the model they wrap, so the flag a plan sets
+    on the Transformers model reads as set on them too: those are the plan's, not Transformers'
+    checkpointing, and profiling the planned model says nothing of it."""
+    plain, model = _lora(llama(2)), _lora(llama(2))
+    batch = sample()
+    with no_gradckpt_warnings():
+        gradckpt.enable(model, batch, budget="100%", strategy="every-layer", optimizer="none")
+        measured = gradckpt.profile(model, batch, repeats=1)
+    assert byte_fields(measured) == byte_fields(gradckpt.profile(plain, batch, repeats=1))
+    gradckpt.disable(model)
+
+
 def test_enable_then_disable_gives_back_the_plain_model() -> None:
     plain, model = llama(2), llama(2)
     batch = sample()

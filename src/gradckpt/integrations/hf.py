@@ -244,7 +244,9 @@ def _transformers_checkpointing_off(model: nn.Module) -> Callable[[], None] | No
     Not the flags a gradckpt plan set (``_flags_say_checkpointing``): ``profile`` measuring a
     planned model finds those, and they are not Transformers' checkpointing.
     """
-    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+    # The module's own flag: PEFT's wrappers forward attribute reads to the model they wrap,
+    # so through getattr they would read as flagged by whatever flagged that model.
+    flagged = [m for m in model.modules() if vars(m).get("gradient_checkpointing") is True
                and m not in _flagged_by_plans]
     if not flagged:
         return None
