@@ -1,320 +1,268 @@
-"""Helpers shared by the benchmark scripts in ``bench/``: timing, memory, machine load, tables.
+"""What the benchmark scripts in ``bench/`` share: timing on a shared machine, profiling on a
+quiet one, memory, machine load, tables and flags. No script imports another.
 
-The rules they implement (docs/planning.md, "What `profile` measures"):
+Plans are measured side by side with the package's own protocol (``gradckpt.side_by_side``:
+docs/planning.md, "What `profile` measures"): time as ratios measured in one process, round
+after round, the median over rounds the result and quartiles, min and max the spread; memory
+as the measured peak of the step users write (``torch.cuda.max_memory_allocated()`` on CUDA,
+``MemTracker``'s "Total" on CPU), in runs of its own, never while timing. What benchmarks add
+here is the machine around them:
 
-- Time is quoted as ratios measured side by side in one process, round after round; each round
-  gives one ratio per contender. The median over rounds is the result; quartiles, min and max
-  show the spread. Two schemes:
-
-  ``alternate_timings`` (few contenders): warm-up rounds, then one step of each contender per
-  round, the order rotating (A B C, B C A, C A B, ...).
-
-  ``bracketed_timings`` (many contenders, ratios to one reference): per round, each contender
-  runs a block of back-to-back steps between two blocks of the reference, the contenders in a
-  seeded random order: reference, c3, reference, c1, reference, c2, reference. The first steps
-  of every block are untimed, so that each timed step follows a step of its own contender, as
-  in a training loop: a step's time depends on the step before it (on a 2-core CPU, a plain
-  step right after one of torch's selective checkpointing took 10-15% longer than after another
-  plain step). The ratio compares the contender's block with the mean of the two reference
-  blocks around it, which cancels a machine that speeds up or slows down over seconds (these
-  machines drift by 10-20% over a few seconds).
-- Memory is a measured peak, never a guess: ``torch.cuda.max_memory_allocated()`` on CUDA,
-  ``MemTracker``'s "peak" snapshot ("Total") on CPU. MemTracker slows every operation down, so
-  memory is measured in its own runs, never while timing.
 - Two processes measuring at once on a 2-core machine make every timing meaningless, so
-  ``ForeignLoad`` measures how much CPU the rest of the machine used during each round (each
-  block, for ``bracketed_timings``); what ran while other processes were busy is discarded and
-  run again.
-- Python's garbage collector: ``bracketed_timings`` collects before each block, with the objects
-  made before timing frozen (``gc.freeze``), so that a full collection (0.2 s with torch loaded)
-  never lands inside a timed step.
-
-Nothing here imports gradckpt: the scripts measure the library from the outside.
+  ``timed_side_by_side`` watches how much CPU the rest of the machine uses during each turn
+  (``ForeignLoad``): what ran while other processes were busy is discarded and run again, and
+  before each round it waits, asleep, for a quiet machine (``wait_for_quiet``), for at most
+  ``--patience`` seconds over the run. ``quiet_profile`` takes ``gradckpt.profile`` the same way.
+- On CPU the scripts restart themselves with glibc keeping freed memory, as CUDA's caching
+  allocator does (``keep_freed_memory``).
+- Every script has the same flags for sizes, rounds, seeds and patience (``add_run_arguments``)
+  and prints the command, the machine and its load in its header.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import math
 import os
-import random
-import statistics
+import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+import gradckpt
+from gradckpt.cli.progress import progress_bar
+from gradckpt.plan import Segment
+from gradckpt.side_by_side import (
+    Contender,
+    RatioStats,
+    SideBySideTimes,
+    compare_gradients,
+    installed,
+    time_side_by_side,
+)
+from gradckpt.toy_models import GPTConfig, TinyGPT
+
 MIB = 1024 * 1024
+
+
+def mib(nbytes: int) -> str:
+    """Bytes as MiB with two decimals, as the tables print them."""
+    return f"{nbytes / MIB:.2f}"
 
 
 def require_identical_gradients(
     model: torch.nn.Module,
-    steps: dict[str, Callable[[], torch.Tensor]],
+    steps: Mapping[str, Callable[[], torch.Tensor]],
     display: Callable[[str], str] = repr,
 ) -> int:
     """Run each step once (it returns the loss and leaves the gradients); exit with status 1
-    unless every step's loss and parameter gradients equal the first step's, bit for bit.
+    unless every step's loss and parameter gradients equal the first step's, bit for bit
+    (``gradckpt.side_by_side.compare_gradients``).
 
     Timing contenders that compute different things would be meaningless. ``display`` names a
     step in the message. Returns how many gradient tensors were compared.
     """
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    results = {}
-    for label, step in steps.items():
-        loss = step()
-        results[label] = (loss, [p.grad.detach().clone() for _, p in named])
-    reference = next(iter(steps))
-    reference_loss, reference_grads = results[reference]
-    for label, (loss, grads) in results.items():
-        differing = [
-            name
-            for (name, _), mine, theirs in zip(named, reference_grads, grads, strict=True)
-            if not torch.equal(mine, theirs)
-        ]
-        if differing or not torch.equal(reference_loss, loss):
+    check = compare_gradients(model, steps)
+    for label, differing in check.differing.items():
+        if differing:
+            tensors = [name for name in differing if name != "loss"]
             raise SystemExit(
-                f"FAIL: gradients of {display(label)} differ from {display(reference)} (loss "
-                f"{loss.item()!r} vs {reference_loss.item()!r}; {len(differing)} of {len(named)} "
-                f"gradient tensors differ, first: {differing[:3]})"
+                f"FAIL: gradients of {display(label)} differ from {display(check.reference)} "
+                f"({'the loss too; ' if 'loss' in differing else ''}{len(tensors)} of "
+                f"{check.compared} gradient tensors differ, first: {tensors[:3]})"
             )
-    model.zero_grad(set_to_none=True)
-    return len(named)
+    return check.compared
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so that a timer read afterwards covers it (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def with_installed(
+    model: torch.nn.Module, step: Callable[[], Any], contender: Contender
+) -> Callable[[], Any]:
+    """``step`` run with ``contender`` in effect on ``model`` (``side_by_side.installed``), for
+    checks that run each contender once."""
+
+    def run() -> Any:
+        with installed(model, contender):
+            return step()
+
+    return run
 
 
-@dataclass(frozen=True)
-class Round:
-    """One timed round: each contender's step time, and what the rest of the machine did."""
-
-    seconds: dict[str, float]
-    foreign_cores: float | None  # CPU other processes used meanwhile (see ForeignLoad)
-    disturbed: bool  # foreign_cores above the threshold: the round is not used
-
-
-@dataclass
-class Timings:
-    """Every round ``alternate_timings`` ran, and which of them count."""
-
-    rounds: list[Round]
-    wanted: int  # how many undisturbed rounds were asked for
-
-    @property
-    def used(self) -> list[Round]:
-        """The undisturbed rounds; all rounds when every one was disturbed."""
-        clean = [r for r in self.rounds if not r.disturbed]
-        return clean or self.rounds
-
-    @property
-    def reliable(self) -> bool:
-        """Whether the wanted number of undisturbed rounds was reached."""
-        return sum(1 for r in self.rounds if not r.disturbed) >= self.wanted
-
-    def seconds(self, name: str) -> list[float]:
-        """The step times of contender ``name`` over the used rounds."""
-        return [r.seconds[name] for r in self.used]
-
-
-def alternate_timings(
-    steps: dict[str, Callable[[], Any]],
+def timed_side_by_side(
+    steps: Mapping[str, Callable[[], Any]],
     rounds: int,
-    warmup_rounds: int,
-    device: torch.device,
-    on_round: Callable[[int, Round], None] | None = None,
-    max_foreign_cores: float = 0.1,
-    patience_seconds: float = 900.0,
+    *,
+    max_foreign_cores: float,
+    patience_seconds: float,
     log: Callable[[str], None] = print,
-) -> Timings:
-    """Time each step of ``steps`` once per round, the contenders interleaved.
+    **options: Any,
+) -> SideBySideTimes:
+    """``gradckpt.side_by_side.time_side_by_side`` on a shared machine.
 
-    ``warmup_rounds`` untimed rounds come first. Round ``r`` runs the contenders in the order of
-    ``steps`` rotated by ``r`` places. Before each round we wait (asleep, so as not to disturb
-    anyone else's measurement) until other processes use at most ``max_foreign_cores`` cores; a
-    round during which they used more anyway is marked disturbed and run again. After
-    ``patience_seconds`` of timing we stop waiting and retrying: the result then has fewer
-    undisturbed rounds than asked for (``Timings.reliable`` is False). ``max_foreign_cores=inf``
-    turns all this off. ``on_round(r, round)`` is called after each timed round.
+    Before each round it waits, asleep (so as not to disturb anyone else's measurement), until
+    other processes use at most ``max_foreign_cores`` cores; a turn during which they used more
+    is disturbed, and rounds go on until every contender has ``rounds`` undisturbed ratios.
+    After ``patience_seconds`` it stops waiting and stops once ``rounds`` rounds ran (the
+    result's ``reliable`` then says whether enough counted). ``max_foreign_cores=inf`` turns
+    all this off. ``options`` go to ``time_side_by_side`` (the order, turns, warm-up, ...).
     """
-    names = list(steps)
-    for _ in range(warmup_rounds):
-        for name in names:
-            steps[name]()
-    synchronize(device)
     deadline = time.monotonic() + patience_seconds
-    timings = Timings([], wanted=rounds)
-    clean = 0
-    attempt = 0
-    while clean < rounds:
-        patient = time.monotonic() < deadline
-        if not patient and attempt >= rounds:
-            break
-        if patient:
+    watching = max_foreign_cores != math.inf
+
+    def before_round() -> None:
+        if watching and time.monotonic() < deadline:
             wait_for_quiet(max_foreign_cores, deadline, log)
-        shift = attempt % len(names)
-        this_round: dict[str, float] = {}
+
+    def watch() -> Callable[[], float | None]:
         load = ForeignLoad()
         load.start()
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            steps[name]()
-            synchronize(device)
-            this_round[name] = time.perf_counter() - start
-        foreign_cores = load.stop()
-        disturbed = foreign_cores is not None and foreign_cores > max_foreign_cores
-        measured = Round({name: this_round[name] for name in names}, foreign_cores, disturbed)
-        timings.rounds.append(measured)
-        clean += not disturbed
-        if on_round is not None:
-            on_round(attempt, measured)
-        attempt += 1
-    return timings
+        return load.stop
+
+    return time_side_by_side(
+        steps, rounds, watch=watch if watching else None, max_load=max_foreign_cores,
+        before_round=before_round, retry_seconds=patience_seconds, **options,
+    )
 
 
-@dataclass(frozen=True)
-class Block:
-    """Back-to-back steps of one contender: untimed warm-up steps, then the timed ones."""
-
-    name: str
-    seconds: list[float]  # the timed steps
-    foreign_cores: float | None  # CPU other processes used meanwhile (see ForeignLoad)
-    disturbed: bool  # foreign_cores above the threshold: the block is not used
-
-    @property
-    def median_seconds(self) -> float:
-        return statistics.median(self.seconds)
+def ratios_or_all(
+    times: SideBySideTimes, name: str, against: str | None = None
+) -> tuple[list[float], bool]:
+    """``name``'s time / ``against``'s (default: the reference) over the undisturbed rounds; if
+    none was undisturbed (a busy machine, out of patience), over every round, flagged True."""
+    ratios = times.ratios(name, against)
+    if ratios:
+        return ratios, False
+    return list(times.ratios_by_round(name, against, include_disturbed=True).values()), True
 
 
-@dataclass(frozen=True)
-class BracketedRound:
-    """One round of ``bracketed_timings``: reference, c, reference, c', ..., reference."""
+def noise_floor(do_nothing: RatioStats) -> float:
+    """How far from 1 a do-nothing contender's ratio strayed in the middle half of the rounds.
 
-    blocks: list[Block]
-
-    def ratios(self) -> dict[str, float | None]:
-        """Each contender's block time / the mean of the two reference blocks around it.
-
-        None where any of the three blocks was disturbed.
-        """
-        ratios: dict[str, float | None] = {}
-        for index in range(1, len(self.blocks) - 1, 2):
-            before, block, after = self.blocks[index - 1 : index + 2]
-            if before.disturbed or block.disturbed or after.disturbed:
-                ratios[block.name] = None
-            else:
-                reference = (before.median_seconds + after.median_seconds) / 2
-                ratios[block.name] = block.median_seconds / reference
-        return ratios
+    Its true ratio is exactly 1 (it runs what the reference runs), so this is what timing alone
+    does to any ratio here, offset and spread together: an extra time within the floor is
+    noise-sized.
+    """
+    return max(abs(do_nothing.lower_quartile - 1), abs(do_nothing.upper_quartile - 1))
 
 
 @dataclass
-class BracketedTimings:
-    """Every round ``bracketed_timings`` ran, and the ratios that count."""
+class QuietProfile:
+    """``gradckpt.profile``'s result, and what other processes did meanwhile."""
 
-    reference: str
-    names: list[str]  # the contenders, in the order given (not the order they ran in)
-    wanted: int  # how many undisturbed ratios per contender were asked for
-    rounds: list[BracketedRound]
-
-    def ratios_by_round(self, name: str) -> dict[int, float]:
-        """Contender ``name``'s undisturbed ratios to the reference, by round index."""
-        found = {}
-        for index, measured in enumerate(self.rounds):
-            ratio = measured.ratios()[name]
-            if ratio is not None:
-                found[index] = ratio
-        return found
-
-    def ratios(self, name: str) -> list[float]:
-        """Contender ``name``'s undisturbed ratios to the reference, round after round."""
-        return list(self.ratios_by_round(name).values())
-
-    def seconds(self, name: str) -> list[float]:
-        """The undisturbed block times (median of a block's timed steps) of ``name``."""
-        return [
-            block.median_seconds
-            for measured in self.rounds
-            for block in measured.blocks
-            if block.name == name and not block.disturbed
-        ]
+    profile: gradckpt.Profile
+    foreign_cores: float | None  # cores other processes used while it ran (None: unknown)
+    disturbed: bool  # they used more than allowed: its times are suspect
 
     @property
-    def reliable(self) -> bool:
-        """Whether every contender reached the wanted number of undisturbed ratios."""
-        return all(len(self.ratios_by_round(name)) >= self.wanted for name in self.names)
+    def foreign(self) -> str:
+        """The foreign load as the scripts print it: "0.03", or "n/a"."""
+        return "n/a" if self.foreign_cores is None else f"{self.foreign_cores:.2f}"
 
 
-def bracketed_timings(
-    steps: dict[str, Callable[[], Any]],
-    reference: str,
-    rounds: int,
-    warmup_steps: int,
-    timed_steps: int,
-    device: torch.device,
-    seed: int = 0,
-    on_round: Callable[[int, BracketedRound], None] | None = None,
-    max_foreign_cores: float = 0.1,
-    patience_seconds: float = 900.0,
-    log: Callable[[str], None] = print,
-) -> BracketedTimings:
-    """Time every step of ``steps`` against ``steps[reference]``, each between two blocks of it.
+def quiet_profile(
+    model: torch.nn.Module,
+    sample: Any,
+    *,
+    max_foreign_cores: float,
+    deadline: float,
+    attempts: int = 1,
+    report: Callable[[str], None] | None = print,
+    **profile_options: Any,
+) -> QuietProfile:
+    """``gradckpt.profile`` on a quiet machine, and how quiet it stayed.
 
-    A round runs a block of the reference, then for each other contender, in an order shuffled
-    by ``random.Random(seed)`` afresh each round, a block of it and another of the reference.
-    A block is ``warmup_steps`` untimed steps, then ``timed_steps`` timed ones (its time: their
-    median). Rounds go on until every contender has ``rounds`` undisturbed ratios (a block during
-    which other processes used more than ``max_foreign_cores`` cores is disturbed, and so are the
-    ratios it enters); before each round we wait, asleep, for a quiet machine. After
-    ``patience_seconds`` we stop waiting, and stop once ``rounds`` rounds ran
-    (``BracketedTimings.reliable`` then says whether enough counted). ``on_round(r, round)`` is
-    called after each round.
+    Every predicted extra time rests on the profile's times, and a 2-core machine shared with
+    one busy process can slow single steps tenfold, so it waits first (until ``deadline``,
+    ``time.monotonic()``, at the latest), and a profile taken while others ran is taken again,
+    while the deadline allows, at most ``attempts`` times; the last one is kept, marked
+    disturbed. ``report``: where a line saying what was measured goes (None: nowhere).
     """
-    names = [name for name in steps if name != reference]
-    rng = random.Random(seed)
-    deadline = time.monotonic() + patience_seconds
-    timings = BracketedTimings(reference, names, rounds, [])
-
-    def block(name: str) -> Block:
-        gc.collect()  # cheap (the rest is frozen); no collection left pending for the steps
+    for _ in range(attempts):
+        if max_foreign_cores != math.inf and time.monotonic() < deadline:
+            wait_for_quiet(max_foreign_cores, deadline)
         load = ForeignLoad()
         load.start()
-        for _ in range(warmup_steps):
-            steps[name]()
-        synchronize(device)
-        seconds = []
-        for _ in range(timed_steps):
-            start = time.perf_counter()
-            steps[name]()
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        foreign_cores = load.stop()
-        disturbed = foreign_cores is not None and foreign_cores > max_foreign_cores
-        return Block(name, seconds, foreign_cores, disturbed)
+        # The progress bar only helps on a terminal; piped into a file it is noise.
+        with progress_bar("gradckpt: profiling", enabled=sys.stderr.isatty()) as progress:
+            measured = gradckpt.profile(model, sample, progress=progress, **profile_options)
+        cores = load.stop()
+        disturbed = cores is not None and cores > max_foreign_cores
+        if not disturbed or time.monotonic() >= deadline:
+            break
+    quiet = QuietProfile(measured, cores, disturbed)
+    if report is not None:
+        report(
+            f"gradckpt.profile: peak {mib(measured.peak_bytes)} MiB, fixed "
+            f"{mib(measured.fixed_bytes)} MiB, plain step {measured.step_seconds:.3f} s; "
+            f"foreign load meanwhile {quiet.foreign}"
+        )
+        if disturbed:
+            report("WARNING: other processes ran while profiling; predicted times are suspect.")
+    return quiet
 
-    gc.collect()
-    gc.freeze()  # what exists now is never scanned again: collections between blocks stay cheap
-    try:
-        while not timings.reliable:
-            patient = time.monotonic() < deadline
-            if not patient and len(timings.rounds) >= rounds:
-                break
-            if patient:
-                wait_for_quiet(max_foreign_cores, deadline, log)
-            blocks = [block(reference)]
-            for name in rng.sample(names, len(names)):
-                blocks += [block(name), block(reference)]
-            timings.rounds.append(BracketedRound(blocks))
-            if on_round is not None:
-                on_round(len(timings.rounds) - 1, timings.rounds[-1])
-    finally:
-        gc.unfreeze()
-    return timings
+
+def describe_segments(segments: list[Segment]) -> str:
+    """Segments in short: "0-1 2-3" (block ranges), "(4-7: 4-5)" nesting, "+m" save-matmuls.
+
+    Example:
+        >>> describe_segments([Segment(0, 1), Segment(2, 2, policy="save-matmuls")])
+        '0-1 2+m'
+    """
+    if not segments:
+        return "no checkpointing"
+
+    def one(segment: Segment) -> str:
+        text = str(segment.start)
+        if segment.end > segment.start:
+            text += f"-{segment.end}"
+        if segment.policy == "save-matmuls":
+            text += "+m"
+        elif segment.policy:
+            text += f"+{segment.policy}"
+        if segment.children:
+            text = f"({text}: {' '.join(one(child) for child in segment.children)})"
+        return text
+
+    return " ".join(one(segment) for segment in segments)
+
+
+@dataclass
+class GPTRun:
+    """The TinyGPT a benchmark runs (``--layers``, ``--embd``, ``--heads``, ``--seq``), seeded
+    by ``--seed``, in training mode (dropout on: RNG replay exercised), and its batch of
+    ``--batch`` next-token sequences: ``idx`` and ``targets``."""
+
+    model: TinyGPT
+    sample: dict[str, torch.Tensor]
+    description: str  # one line for the header
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, device: torch.device) -> GPTRun:
+        torch.manual_seed(args.seed)
+        config = GPTConfig(n_layer=args.layers, n_embd=args.embd, n_head=args.heads,
+                           block_size=args.seq)
+        model = TinyGPT(config).to(device).train()
+        tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device=device)
+        sample = {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
+        parameter_count = sum(p.numel() for p in model.parameters())
+        description = (
+            f"model: TinyGPT {args.layers} layers, n_embd {args.embd}, {args.heads} heads, "
+            f"dropout {config.dropout}, {parameter_count / 1e6:.2f}M parameters; "
+            f"batch {args.batch} x seq {args.seq}"
+        )
+        return cls(model, sample, description)
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command as typed from the repository root (interpreter path relative when inside)."""
+    python = sys.executable
+    relative = os.path.relpath(python)
+    if not relative.startswith(".."):
+        python = relative
+    return shlex.join([python, sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
 
 
 def wait_for_quiet(
@@ -343,47 +291,6 @@ def wait_for_quiet(
             log("  gave up waiting: out of patience, timing on a busy machine")
             return False
         time.sleep(1.5)
-
-
-@dataclass(frozen=True)
-class RatioStats:
-    """Per-round ratios ``numerator / denominator``, summarized.
-
-    ``lower_quartile`` .. ``upper_quartile`` hold the middle half of the rounds: a better picture
-    of the noise than ``low`` .. ``high``, which one stray round sets.
-    """
-
-    median: float
-    lower_quartile: float
-    upper_quartile: float
-    low: float
-    high: float
-    rounds: int
-
-
-def ratio_stats(numerator: Sequence[float], denominator: Sequence[float]) -> RatioStats:
-    """Median, quartiles, min and max of the round-by-round ratios of two lists of times."""
-    if len(numerator) != len(denominator) or not numerator:
-        raise ValueError("need two equally long, non-empty lists of times")
-    return summarize_ratios([a / b for a, b in zip(numerator, denominator, strict=True)])
-
-
-def summarize_ratios(ratios: Sequence[float]) -> RatioStats:
-    """Median, quartiles, min and max of per-round ratios."""
-    if not ratios:
-        raise ValueError("no ratios to summarize")
-    if len(ratios) > 1:
-        lower_quartile, _, upper_quartile = statistics.quantiles(ratios, n=4, method="inclusive")
-    else:
-        lower_quartile = upper_quartile = ratios[0]
-    return RatioStats(
-        statistics.median(ratios),
-        lower_quartile,
-        upper_quartile,
-        min(ratios),
-        max(ratios),
-        len(ratios),
-    )
 
 
 class ForeignLoad:
@@ -552,8 +459,11 @@ def parse_run_arguments(
     full: dict[str, float],
     quick: dict[str, float],
 ) -> argparse.Namespace:
-    """Parse ``argv``; sized flags not given take ``full``'s or (``--quick``) ``quick``'s value."""
+    """Parse ``argv``; sized flags not given take ``full``'s or (``--quick``) ``quick``'s value,
+    and ``--device`` (``add_device_argument``) becomes a ``torch.device``."""
     args = parser.parse_args(argv)
+    if isinstance(getattr(args, "device", None), str):
+        args.device = resolve_device(parser, args.device)
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -118,10 +118,11 @@ from typing import Any
 
 import _common
 import torch
-from frontier import command_line, describe_segments, quiet_profile
+from _common import command_line, describe_segments
 
 import gradckpt
 from gradckpt.plan import Plan
+from gradckpt.side_by_side import RatioStats, summarize_ratios
 from gradckpt.solvers.optimal import minimum_peak_bytes
 
 FULL: dict[str, Any] = dict(layers=6, batch=2, seq=512, embd=256, heads=4, rounds=3, warmup=2,
@@ -378,17 +379,6 @@ def time_contenders(args: argparse.Namespace, contenders: list[Contender],
     return reruns
 
 
-@dataclass(frozen=True)
-class Spread:
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> Spread:
-        return cls(statistics.median(values), min(values), max(values))
-
-
 def usable(runs: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """The runs that count (None in place of those that do not): undisturbed, or all when
     every one was disturbed."""
@@ -397,13 +387,13 @@ def usable(runs: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     return [run if any(run is k for k in keep) else None for run in runs]
 
 
-def time_spreads(contenders: list[Contender]) -> dict[str, tuple[Spread, Spread] | None]:
+def time_spreads(contenders: list[Contender]) -> dict[str, tuple[RatioStats, RatioStats] | None]:
     """Per contender: step seconds (over its processes' medians) and ratio to plain (round by
     round, against the mean of the plain runs around the round)."""
     plain_runs = usable(contenders[0].timed)
     plain_seconds = [None if run is None else statistics.median(run["seconds"])
                      for run in plain_runs]
-    found: dict[str, tuple[Spread, Spread] | None] = {}
+    found: dict[str, tuple[RatioStats, RatioStats] | None] = {}
     for index, contender in enumerate(contenders):
         runs = usable(contender.timed)
         seconds = [statistics.median(run["seconds"]) for run in runs if run is not None]
@@ -411,14 +401,15 @@ def time_spreads(contenders: list[Contender]) -> dict[str, tuple[Spread, Spread]
             found[contender.name] = None
             continue
         if index == 0:
-            found[contender.name] = (Spread.of(seconds), Spread(1.0, 1.0, 1.0))
+            found[contender.name] = (summarize_ratios(seconds), summarize_ratios([1.0]))
             continue
         ratios = []
         for round_index, run in enumerate(runs):
             around = [s for s in plain_seconds[round_index:round_index + 2] if s is not None]
             if run is not None and around:
                 ratios.append(statistics.median(run["seconds"]) / statistics.mean(around))
-        found[contender.name] = (Spread.of(seconds), Spread.of(ratios)) if ratios else None
+        found[contender.name] = ((summarize_ratios(seconds), summarize_ratios(ratios)) if ratios
+                                 else None)
     return found
 
 
@@ -427,7 +418,7 @@ def time_spreads(contenders: list[Contender]) -> dict[str, tuple[Spread, Spread]
 # --------------------------------------------------------------------------------------------
 
 
-def table(contenders: list[Contender], times: dict[str, tuple[Spread, Spread] | None],
+def table(contenders: list[Contender], times: dict[str, tuple[RatioStats, RatioStats] | None],
           fixed: int) -> str:
     plain_peak = contenders[0].peak
     rows = []
@@ -459,7 +450,7 @@ def table(contenders: list[Contender], times: dict[str, tuple[Spread, Spread] | 
 
 
 def verdict(knobs: list[Contender], plans: list[Contender],
-            times: dict[str, tuple[Spread, Spread] | None], fixed: int) -> list[str]:
+            times: dict[str, tuple[RatioStats, RatioStats] | None], fixed: int) -> list[str]:
     """One line per knob setting below 1.0 and per budgeted plan, then the verdict line."""
     lines = []
     answers = []  # "YES"/"NO"/"n/a" per knob setting below 1.0
@@ -557,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         knobs = [Contender(f"knob {k:.1f}", knob=k) for k in (KNOBS[:1] if args.quick else KNOBS)]
         measure_memory(args, knobs, memory_environment)
         # Its times choose the optimal plans: taken on a quiet machine, as bench/frontier.py does.
-        profile = quiet_profile(model, batch, args.max_foreign_load, args.patience)
+        profile = _common.quiet_profile(
+            model, batch, max_foreign_cores=args.max_foreign_load,
+            deadline=time.monotonic() + args.patience).profile
         fixed = profile.fixed_bytes
         print(f"  (eager; fixed = parameters and inputs; least feasible optimal peak "
               f"{minimum_peak_bytes(profile) / MIB:.1f} MiB)")

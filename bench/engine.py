@@ -26,8 +26,9 @@ How to read the output:
 - ``gradients``: A's parameter gradients equal B's and C's bit for bit (dropout included, so the
   RNG replay is exercised). A mismatch stops the script with exit status 1: timing contenders
   that compute different things would be meaningless.
-- ``time``: ratios of step times measured side by side in one process (warm-up rounds, then
-  rounds of A, B, C in rotating order; one ratio per round). The median is the result; the
+- ``time``: ratios of step times measured side by side in one process
+  (``gradckpt.side_by_side.time_side_by_side``: warm-up rounds, then rounds of A, B, C in
+  rotating order; one ratio per round). The median is the result; the
   middle half of the rounds (quartiles) and min - max show the noise. A/B is the engine's
   overhead over PyTorch's; A/C and B/C are what recomputation costs (one extra forward pass and
   its bookkeeping: ~1.3-1.6 on CPU). Seconds are printed for orientation only: on shared CPUs
@@ -42,7 +43,6 @@ How to read the output:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +54,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import gradckpt
 from gradckpt.measure import measure_peak_bytes
-from gradckpt.toy_models import GPTConfig, TinyGPT
+from gradckpt.side_by_side import Round, summarize_ratios
+from gradckpt.toy_models import TinyGPT
 
 TIME_TARGET = 1.03  # gradckpt / torch step-time ratio that passes
 
@@ -186,23 +187,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="call",
         help="how A checkpoints: gradckpt.checkpoint(block, x) or checkpoint_module(block) [call]",
     )
-    args = _common.parse_run_arguments(parser, argv, FULL, QUICK)
-    args.device = _common.resolve_device(parser, args.device)
-    return args
+    return _common.parse_run_arguments(parser, argv, FULL, QUICK)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = args.device
 
-    torch.manual_seed(args.seed)
-    config = GPTConfig(
-        n_layer=args.layers, n_embd=args.embd, n_head=args.heads, block_size=args.seq
-    )
-    model = TinyGPT(config).to(device).train()  # train(): dropout on, RNG replay exercised
-    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device=device)
-    idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    parameter_count = sum(p.numel() for p in model.parameters())
+    gpt = _common.GPTRun.from_args(args, device)
+    model, idx, targets = gpt.model, gpt.sample["idx"], gpt.sample["targets"]
 
     all_contenders = contenders(args.form)
     names = {c.label: c.name for c in all_contenders}
@@ -210,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("bench/engine.py: per-layer checkpointing, gradckpt vs torch.utils.checkpoint")
     print(_common.describe_machine(device))
-    print(
-        f"model: TinyGPT {args.layers} layers, n_embd {args.embd}, {args.heads} heads, "
-        f"dropout {config.dropout}, {parameter_count / 1e6:.2f}M parameters; "
-        f"batch {args.batch} x seq {args.seq}"
-    )
+    print(gpt.description)
     for c in all_contenders:
         print(f"  {c.label}  {c.name:<9} {c.description}")
     print(f"load average before: {_common.load_average()}")
@@ -230,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         "(seconds per step, for orientation only)"
     )
 
-    def show_round(index: int, measured: _common.Round) -> None:
-        seconds = measured.seconds
+    def show_round(index: int, measured: Round) -> None:
+        seconds = {label: measured.seconds(label) for label in steps}
         parts = "  ".join(f"{label} {seconds[label]:.3f}s" for label in steps)
-        foreign = "n/a" if measured.foreign_cores is None else f"{measured.foreign_cores:.2f}"
+        loads = [turn.load for turn in measured.turns if turn.load is not None]
+        foreign = f"{max(loads):.2f}" if loads else "n/a"
         note = "  DISCARDED (machine busy)" if measured.disturbed else ""
         print(
             f"  round {index + 1:>2}  {parts}  A/B {seconds['A'] / seconds['B']:.3f}  "
@@ -241,21 +231,20 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    timings = _common.alternate_timings(
+    timings = _common.timed_side_by_side(
         steps,
         args.rounds,
-        args.warmup,
-        device,
-        show_round,
+        warmup_rounds=args.warmup,
+        device=device,
+        on_round=show_round,
         max_foreign_cores=args.max_foreign_load,
         patience_seconds=args.patience,
     )
-    seconds = {label: timings.seconds(label) for label in steps}
-    used_rounds = len(timings.used)
-    time_ratios = {
-        pair: _common.ratio_stats(seconds[pair[0]], seconds[pair[2]])
-        for pair in ("A/B", "A/C", "B/C")
-    }
+    # Each round's ratios, from the undisturbed rounds (all rounds if none was undisturbed).
+    pairs = {pair: _common.ratios_or_all(timings, pair[0], pair[2])[0]
+             for pair in ("A/B", "A/C", "B/C")}
+    used_rounds = len(pairs["A/B"])
+    time_ratios = {pair: summarize_ratios(ratios) for pair, ratios in pairs.items()}
 
     # ---- memory: one measured step per contender, separately from timing --------------------
     peaks = {}
@@ -282,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak A/B = {memory_ratio:.4f} (A - B = {difference:+,} bytes)")
     print()
 
-    median_seconds = {label: statistics.median(values) for label, values in seconds.items()}
+    median_seconds = {label: timings.median_seconds(label)
+                      or timings.median_seconds(label, include_disturbed=True) for label in steps}
     print(f"time: step-time ratios over {used_rounds} rounds")
     rows = [
         (
@@ -299,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "median seconds per step: "
         + ", ".join(f"{label} {median_seconds[label]:.3f}" for label in steps)
     )
-    discarded = len(timings.rounds) - sum(1 for r in timings.rounds if not r.disturbed)
+    discarded = sum(measured.disturbed for measured in timings.rounds)
     print(
         f"rounds: {used_rounds} used, {discarded} discarded because other processes used more "
         f"than {args.max_foreign_load} core; load average after: {_common.load_average()}"

@@ -1,14 +1,15 @@
 """Does ``estimate`` predict what the meter measures? Estimated against measured, per family.
 
 The question (issue 15): ``gradckpt.estimate`` runs gradckpt's profile on fake tensors, without
-memory or values. On the models of ``bench/predictions.py`` (GPT-2, Llama, Qwen2, BERT, T5 and
-ViT built from configs, a CNN with BatchNorm, frozen bases with adapters: hand-written LoRA and
-PEFT on Llama), each at its own sample size and at a doubled batch and/or sequence, how close
-are the estimated bytes to the measured ones, and do plans solved from an estimate alone fit
-when applied to the real model?
+memory or values. On the model families of ``gradckpt.integrations.hf_families`` (GPT-2, Llama,
+Qwen2, BERT, T5 and ViT built from configs, a CNN with BatchNorm, frozen bases with adapters:
+hand-written LoRA and PEFT on Llama), each at its own sample size and at a doubled batch and/or
+sequence, how close are the estimated bytes to the measured ones, and do plans solved from an
+estimate alone fit when applied to the real model?
 
 For each model and size it measures the step as users write it (``out = model(**batch);
-out.loss.backward()``, the output held; the meter: MemTracker's "Total" on CPU) and
+out.loss.backward()``, the output held; the meter: MemTracker's "Total" on CPU; the plans and
+the plain step side by side on one model, ``gradckpt.side_by_side.compare_plans``) and
 ``gradckpt.profile``'s per-block saved bytes, then estimates the same model on fake tensors.
 Then it solves plans from the estimate for 70% and 45% of the measured plain peak (or the
 smallest budget the estimate finds feasible, marked "least"), applies each, and measures the
@@ -48,74 +49,25 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import predictions  # noqa: E402  (the model families and the step as users write it)
-
-import gradckpt  # noqa: E402
+import gradckpt
+from gradckpt.integrations.hf_families import Family, families
+from gradckpt.side_by_side import compare_plans, measure_users_step, plans_at_shares
 
 SHARES = (0.7, 0.45)
 PEAK_MEDIAN_TARGET = 0.03
 PEAK_WORST_TARGET = 0.05
 SAVED_BYTES_TARGET = 0.02
 BUDGET_ALLOWANCE = 0.05
-VOCAB = 1000  # every token model of predictions.py has this vocabulary
-
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _ids(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
-    # As predictions.py draws them: ids 0-2 are left out (the configs' special tokens).
-    return torch.randint(3, VOCAB, (batch, seq), generator=_generator(seed))
-
-
-# One sample maker per family, taking the sizes the label shows. At each case's own size they
-# return what the case's own ``sample()`` returns.
-
-
-def causal_tokens(batch: int, seq: int) -> dict:
-    ids = _ids(batch, seq)
-    return {"input_ids": ids, "labels": ids}
-
-
-def masked_tokens(batch: int, seq: int) -> dict:
-    ids = _ids(batch, seq)
-    labels = torch.full_like(ids, -100)
-    labels[:, ::7] = ids[:, ::7]  # one token in seven predicted, as in predictions.py
-    return {"input_ids": ids, "labels": labels}
-
-
-def seq2seq_tokens(batch: int, seq: int) -> dict:
-    # Targets half as long as the inputs, as predictions.py's (96 in, 48 out).
-    return {"input_ids": _ids(batch, seq), "labels": _ids(batch, seq // 2, seed=2)}
-
-
-def labelled_images(batch: int, height: int, width: int) -> dict:
-    generator = _generator(1)
-    return {"pixel_values": torch.randn(batch, 3, height, width, generator=generator),
-            "labels": torch.randint(0, 10, (batch,), generator=generator)}
-
-
-def images(batch: int, height: int, width: int) -> torch.Tensor:
-    return torch.randn(batch, 3, height, width, generator=_generator(1))
-
-
-def hidden_states(batch: int, seq: int, width: int) -> torch.Tensor:
-    return torch.randn(batch, seq, width, generator=_generator(1))
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """A case's sample maker, the sizes of the full run (its own first) and of ``--quick``."""
+    """A family's sizes (its ``make_sample`` arguments) in the full run (its own first) and
+    with ``--quick``."""
 
-    make: Callable[..., Any]
     full: tuple[tuple[int, ...], ...]
     quick: tuple[int, ...]
 
@@ -127,15 +79,15 @@ class Sizes:
 # stack works token by token, so twice its sequence would measure exactly what twice its batch
 # does: it doubles its batch only.
 SIZES = {
-    "gpt2": Sizes(causal_tokens, ((2, 128), (4, 128)), (1, 64)),
-    "llama": Sizes(causal_tokens, ((2, 128), (4, 128), (2, 256)), (1, 64)),
-    "qwen2": Sizes(causal_tokens, ((2, 128), (4, 128), (2, 256)), (1, 64)),
-    "bert": Sizes(masked_tokens, ((2, 128), (4, 128)), (1, 64)),
-    "t5": Sizes(seq2seq_tokens, ((2, 96), (4, 96), (2, 192)), (1, 48)),
-    "vit": Sizes(labelled_images, ((4, 64, 64), (8, 64, 64)), (2, 64, 64)),
-    "cnn": Sizes(images, ((8, 48, 48), (16, 48, 48), (8, 96, 96)), (4, 32, 32)),
-    "lora": Sizes(hidden_states, ((8, 64, 128), (16, 64, 128)), (4, 32, 128)),
-    "peft-llama": Sizes(causal_tokens, ((2, 128), (4, 128)), (1, 64)),
+    "gpt2": Sizes(((2, 128), (4, 128)), (1, 64)),
+    "llama": Sizes(((2, 128), (4, 128), (2, 256)), (1, 64)),
+    "qwen2": Sizes(((2, 128), (4, 128), (2, 256)), (1, 64)),
+    "bert": Sizes(((2, 128), (4, 128)), (1, 64)),
+    "t5": Sizes(((2, 96), (4, 96), (2, 192)), (1, 48)),
+    "vit": Sizes(((4, 64, 64), (8, 64, 64)), (2, 64, 64)),
+    "cnn": Sizes(((8, 48, 48), (16, 48, 48), (8, 96, 96)), (4, 32, 32)),
+    "lora": Sizes(((8, 64, 128), (16, 64, 128)), (4, 32, 128)),
+    "peft-llama": Sizes(((2, 128), (4, 128)), (1, 64)),
 }
 
 
@@ -182,54 +134,38 @@ def worst_saved_bytes_error(estimated: gradckpt.Profile, measured: gradckpt.Prof
     return worst
 
 
-def _same_gradients(mine: list, theirs: list) -> bool:
-    # Frozen parameters have no gradient on either side.
-    return all((a is None and b is None) or (a is not None and b is not None
-                                             and torch.equal(a, b))
-               for a, b in zip(mine, theirs, strict=True))
-
-
-def run_case(case: predictions.Case, shape: tuple[int, ...]) -> list[Row]:
-    """The plain row and one row per share of ``SHARES`` for ``case`` at size ``shape``."""
-    sample = SIZES[case.name].make(*shape)
+def run_case(family: Family, shape: tuple[int, ...]) -> list[Row]:
+    """The plain row and one row per share of ``SHARES`` for ``family`` at size ``shape``."""
+    sample = family.make_sample(*shape)
     size = "x".join(str(n) for n in shape)
     # A fresh model for each use: a step leaves gradients behind, which a profile would count
     # as memory held from an earlier step.
-    plain_peak, plain_grads = predictions.users_step(predictions.fresh(case), sample,
-                                                     case.loss_fn)
-    measured = gradckpt.profile(predictions.fresh(case), sample, loss_fn=case.loss_fn,
-                                repeats=1, progress=False)
-    model = predictions.fresh(case)
+    measured = gradckpt.profile(family.fresh(), sample, loss_fn=family.loss_fn, repeats=1,
+                                progress=False)
+    model = family.fresh()
     # "this": the estimate's times are for this CPU; the bytes do not depend on the device.
-    estimated = gradckpt.estimate(model, sample, loss_fn=case.loss_fn, device="this")
-    rows = [Row(case.name, size, "plain", None, estimated.peak_bytes, plain_peak, True,
-                worst_saved_bytes_error(estimated, measured))]
-    for share in SHARES:
-        what = f"{share:.0%}"
-        # Shares of the measured peak, as a user would set a budget from what they know of the
-        # real step; the plan itself sees nothing but the estimate.
-        try:
-            plan = gradckpt.solve(estimated, int(share * plain_peak))
-        except gradckpt.BudgetError as error:
-            plan = gradckpt.solve(estimated, error.minimum_bytes)
-            what += " (least)"
-        gradckpt.apply(model, plan)  # the estimated model: estimate left it as it was
-        peak, grads = predictions.users_step(model, sample, case.loss_fn)
-        gradckpt.disable(model)
-        rows.append(Row(case.name, size, what, plan.budget_bytes, plan.predicted_peak_bytes,
-                        peak, _same_gradients(grads, plain_grads)))
+    estimated = gradckpt.estimate(model, sample, loss_fn=family.loss_fn, device="this")
+    # The plain step first: the plans' budgets are shares of its measured peak, as a user would
+    # set a budget from what they know of the real step; the plans see nothing but the estimate.
+    plain = measure_users_step(model, sample, loss_fn=family.loss_fn).peak_bytes
+    plans = plans_at_shares(estimated, SHARES, of_bytes=plain)
+    # The estimated model: estimate left it as it was.
+    compared = compare_plans(model, sample, {"plain": None, **plans}, loss_fn=family.loss_fn,
+                             rounds=0)
+    rows = [Row(family.name, size, "plain", None, estimated.peak_bytes,
+                compared.peak_bytes["plain"], True, worst_saved_bytes_error(estimated, measured))]
+    rows += [Row(family.name, size, what, plan.budget_bytes, plan.predicted_peak_bytes,
+                 compared.peak_bytes[what], compared.identical(what))
+             for what, plan in plans.items()]
     return rows
 
 
-def chosen_cases(only: str | None) -> list[predictions.Case]:
-    """The cases ``--only`` names (comma-separated), in the order of ``predictions.CASES``."""
-    if not only:
-        return list(predictions.CASES)
-    names = only.split(",")
-    unknown = [name for name in names if name not in SIZES]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(SIZES)}")
-    return [case for case in predictions.CASES if case.name in names]
+def chosen_families(only: str | None) -> list[Family]:
+    """The families ``--only`` names (comma-separated; all without it), in catalogue order."""
+    try:
+        return families(only)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 def _mib(value: int | None) -> str:
@@ -268,14 +204,15 @@ def verdict(rows: list[Row]) -> str:
             f"{passed(identical)}")
 
 
-def run(cases: list[predictions.Case], quick: bool,
+def run(chosen: list[Family], quick: bool,
         report: Callable[[str], None] = print) -> list[Row]:
-    """Every row for ``cases`` (``quick``: one small size each), each printed as it comes."""
+    """Every row for the ``chosen`` families (``quick``: one small size each), each printed as
+    it comes."""
     rows: list[Row] = []
-    for case in cases:
-        sizes = SIZES[case.name]
+    for family in chosen:
+        sizes = SIZES[family.name]
         for shape in (sizes.quick,) if quick else sizes.full:
-            for row in run_case(case, shape):
+            for row in run_case(family, shape):
                 rows.append(row)
                 report(format_row(row))
             sys.stdout.flush()
@@ -288,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="one small size per case (a smoke test)")
     args = parser.parse_args(argv)
-    cases = chosen_cases(args.only)
+    chosen = chosen_families(args.only)
     # MemTracker's module tracker warns when it loses track of which module runs (Transformers
     # models in backward); that only affects which module it would blame, not the "Total" read
     # here.
@@ -298,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
           f"kept, estimate(device='this'){', quick sizes' if args.quick else ''}")
     print(HEADER)
     print("-" * len(HEADER))
-    rows = run(cases, args.quick)
+    rows = run(chosen, args.quick)
     print(f"\n{verdict(rows)}")
     print(f"({len(rows)} rows in {time.monotonic() - started:.0f} s)")
     return 0 if all(row.identical for row in rows) else 1

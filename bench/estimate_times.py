@@ -2,11 +2,11 @@
 
 The question: ``gradckpt.estimate(model, sample, device="this")`` prices every operation with a
 roofline of this machine (its throughput and bandwidth, measured once and cached). A roofline is
-a lower bound in seconds; the solvers only need the shares to come out right: each block's forward
-as a share of the step, and a plan's extra (recomputation) time as a share of the step, which
-``Plan.predicted_overhead`` reports. On a handful of the models of ``bench/predictions.py``
-(GPT-2, Llama, T5, ViT, a CNN, a LoRA stack), at sizes where a step takes 0.07-0.1 s, how close
-are those shares to the real ones?
+a lower bound in seconds; the solvers only need the shares to come out right: each block's
+forward as a share of the step, and a plan's extra (recomputation) time as a share of the step,
+which ``Plan.predicted_overhead`` reports. On a handful of the families of
+``gradckpt.integrations.hf_families`` (GPT-2, Llama, T5, ViT, a CNN, a LoRA stack), at sizes
+where a step takes 0.07-0.1 s, how close are those shares to the real ones?
 
 For each model it runs ``gradckpt.profile`` (the measured profile, ``repeats`` times each) and
 ``gradckpt.estimate`` on the same model and sample, then:
@@ -24,7 +24,8 @@ For each model it runs ``gradckpt.profile`` (the measured profile, ``repeats`` t
   predicted from the measured profile (``Plan.predicted_overhead``), and measured: the plan
   applied (``gradckpt.apply``) and its steps timed against the plain step in the same run.
 
-How it times (``_common.bracketed_timings``, as ``bench/frontier.py``): per round a block of
+How it times (``gradckpt.side_by_side.time_side_by_side``, bracketed, through
+``_common.timed_side_by_side``, as ``bench/frontier.py``): per round a block of
 plain steps, then each plan's block followed by another plain block, in an order shuffled each
 round; a block is ``--warmup`` untimed steps then ``--steps`` timed ones (its time: their
 median); a plan's time / plain is its block over the mean of the two plain blocks around it.
@@ -58,7 +59,6 @@ steps do not, which makes recomputation look nearly free on CPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import statistics
@@ -67,26 +67,27 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+import _common
 import torch
+from _common import describe_segments, noise_floor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gradckpt
+from gradckpt.cost import plan_for
+from gradckpt.integrations.hf_families import Family, families
+from gradckpt.predict.devices import device_spec, format_device
+from gradckpt.side_by_side import (
+    RatioStats,
+    UsersStep,
+    installed,
+    plans_at_shares,
+    summarize_ratios,
+)
 
-import _common  # noqa: E402  (timing, load, tables, malloc)
-import estimate_accuracy  # noqa: E402  (the sample makers, by size)
-import frontier  # noqa: E402  (plan_installed, describe_segments, noise_floor, command_line)
-import predictions  # noqa: E402  (the model families)
-
-import gradckpt  # noqa: E402
-from gradckpt.cost import plan_for  # noqa: E402
-from gradckpt.measure.step import loss_of, run_model  # noqa: E402
-from gradckpt.predict.devices import device_spec, format_device  # noqa: E402
-
-# Sizes (the arguments of each family's sample maker in estimate_accuracy.SIZES), chosen so
-# that a plain step takes roughly 0.07-0.1 s on a quiet 2-core CPU (about the estimate's own
-# step here): long enough for the wall clock, short enough for 12 rounds of 7 blocks per model.
+# Sizes (the arguments of each family's ``make_sample``), chosen so that a plain step takes
+# roughly 0.07-0.1 s on a quiet 2-core CPU (about the estimate's own step here): long enough for
+# the wall clock, short enough for 12 rounds of 7 blocks per model.
 # The default run takes a handful of families that differ in how their time splits (two
 # decoders: GPT-2's attention in matmuls, Llama's through SDPA; an encoder-decoder with a chain
 # break; a vision transformer; convolutions; a frozen base with adapters); --only takes any of
@@ -132,7 +133,7 @@ class Timed:
     plan: gradckpt.Plan
     from_estimate: float  # extra time / step, the same segments priced with the estimate
     from_profile: float  # extra time / step, predicted from the measured profile
-    measured: _common.RatioStats | None = None  # plan step / plain step, over the rounds
+    measured: RatioStats | None = None  # plan step / plain step, over the rounds
     disturbed: bool = False  # no undisturbed round: the ratios are from disturbed ones
     also: list[str] = field(default_factory=list)  # other labels that solved to this layout
 
@@ -156,8 +157,7 @@ class Result:
 
     @property
     def floor(self) -> float | None:
-        return None if self.control.measured is None else frontier.noise_floor(
-            self.control.measured)
+        return None if self.control.measured is None else noise_floor(self.control.measured)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,53 +165,12 @@ class Result:
 # --------------------------------------------------------------------------------------------
 
 
-class Patience:
-    """Seconds left, over the whole run, for waiting on other processes."""
-
-    def __init__(self, seconds: float) -> None:
-        self.deadline = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-
-def quiet_profile(model: torch.nn.Module, sample: Any, case: predictions.Case, repeats: int,
-                  max_foreign: float, patience: Patience
-                  ) -> tuple[gradckpt.Profile, str, bool]:
-    """``gradckpt.profile`` on a quiet machine, and the foreign load while it ran.
-
-    Every share the measured profile predicts rests on its times, and a 2-core machine shared
-    with one busy process can slow single steps tenfold (a thread of torch's pool descheduled),
-    so a profile taken while others ran is taken again, while patience lasts (at most
-    ``PROFILE_ATTEMPTS`` times); the last one is kept, marked disturbed. Returns the profile,
-    the foreign load (in cores) as text, and whether it was disturbed.
-    """
-    for _ in range(PROFILE_ATTEMPTS):
-        if patience.left() > 0 and max_foreign != float("inf"):
-            _common.wait_for_quiet(max_foreign, time.monotonic() + patience.left())
-        load = _common.ForeignLoad()
-        load.start()
-        measured = gradckpt.profile(model, sample, loss_fn=case.loss_fn, repeats=repeats,
-                                    progress=False)
-        cores = load.stop()
-        if cores is None or cores <= max_foreign:
-            return measured, "n/a" if cores is None else f"{cores:.2f}", False
-        if patience.left() == 0:
-            break
-    return measured, f"{cores:.2f}, DISTURBED", True
-
-
 def solved_plans(measured: gradckpt.Profile, share: float) -> list[tuple[str, gradckpt.Plan]]:
     """The plans the measured profile gives: every layer, and optimal at ``share`` of the
     measured plain peak (or at the least budget it can meet)."""
     plans = [("every-layer", gradckpt.solve(measured, None, "every-layer"))]
-    label = f"optimal {share:.0%}"
-    try:
-        plan = gradckpt.solve(measured, int(share * measured.peak_bytes), "optimal")
-    except gradckpt.BudgetError as error:
-        plan = gradckpt.solve(measured, error.minimum_bytes, "optimal")
-        label += " (least)"
-    plans.append((label, plan))
+    plans += [(f"optimal {label}", plan)
+              for label, plan in plans_at_shares(measured, [share]).items()]
     return plans
 
 
@@ -219,74 +178,51 @@ def priced(measured: gradckpt.Profile, estimated: gradckpt.Profile, label: str,
            plan: gradckpt.Plan) -> Timed:
     """The plan's extra-time share from both profiles: the same segments, each's own times."""
     from_estimate = plan_for(estimated, plan.strategy, plan.budget_bytes, plan.segments)
-    return Timed(label, frontier.describe_segments(plan.segments), plan,
+    return Timed(label, describe_segments(plan.segments), plan,
                  from_estimate.predicted_overhead, plan.predicted_overhead)
 
 
-def make_step(model: torch.nn.Module, sample: Any, loss_fn: Any,
-              install: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], None]:
-    """One training step as users write it, with ``install`` in effect (applied and removed
-    inside the step, as ``bench/frontier.py`` does, so that every plan runs the same model)."""
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)  # the same dropout masks for every plan
-        with install():
-            loss_of(run_model(model, sample), loss_fn).backward()
-
-    return step
-
-
-def ratios_of(timings: _common.BracketedTimings, name: str) -> tuple[list[float], bool]:
-    """``name``'s time / plain over the undisturbed rounds; if none was undisturbed (a busy
-    machine, out of patience), over every round, flagged."""
-    ratios = timings.ratios(name)
-    if ratios:
-        return ratios, False
-    every = []
-    for measured in timings.rounds:
-        blocks = measured.blocks
-        for index in range(1, len(blocks) - 1, 2):
-            if blocks[index].name == name:
-                reference = (blocks[index - 1].median_seconds + blocks[index + 1].median_seconds)
-                every.append(blocks[index].median_seconds / (reference / 2))
-    return every, True
-
-
-def time_plans(model: torch.nn.Module, sample: Any, case: predictions.Case, timed: list[Timed],
-               args: argparse.Namespace, patience: Patience) -> float | None:
+def time_plans(model: torch.nn.Module, sample: Any, family: Family, timed: list[Timed],
+               args: argparse.Namespace, deadline: float) -> float | None:
     """Time every plan of ``timed`` against the plain step; fills in their ``measured``.
-    Returns the plain step's median block time."""
-    steps = {PLAIN: make_step(model, sample, case.loss_fn, contextlib.nullcontext)}
-    for entry in timed:
-        steps[entry.label] = make_step(model, sample, case.loss_fn,
-                                       functools.partial(frontier.plan_installed, model,
-                                                         entry.plan))
-    timings = _common.bracketed_timings(
-        steps, PLAIN, args.rounds, args.warmup, args.steps, torch.device("cpu"), seed=args.seed,
-        max_foreign_cores=args.max_foreign_load, patience_seconds=patience.left(),
+    Returns the plain step's median block time.
+
+    One step as users write it for all (``UsersStep``, seeded: the same dropout masks for
+    every plan), each plan applied around its blocks, outside the timed steps, so that every
+    plan runs the same model."""
+    step = UsersStep(model, sample, family.loss_fn)
+    timings = _common.timed_side_by_side(
+        {PLAIN: step} | {entry.label: step for entry in timed}, args.rounds, warmup_rounds=0,
+        warmup_steps=args.warmup, timed_steps=args.steps, bracketed=True, shuffle_seed=args.seed,
+        setup={entry.label: functools.partial(installed, model, entry.plan) for entry in timed},
+        max_foreign_cores=args.max_foreign_load,
+        patience_seconds=max(0.0, deadline - time.monotonic()),
         log=lambda line: print(line, flush=True),
     )
     for entry in timed:
-        ratios, entry.disturbed = ratios_of(timings, entry.label)
-        entry.measured = _common.summarize_ratios(ratios) if ratios else None
-    plain = timings.seconds(PLAIN) or [b.median_seconds for r in timings.rounds for b in r.blocks
-                                       if b.name == PLAIN]
-    return statistics.median(plain) if plain else None
+        ratios, entry.disturbed = _common.ratios_or_all(timings, entry.label)
+        entry.measured = summarize_ratios(ratios) if ratios else None
+    return (timings.median_seconds(PLAIN)
+            or timings.median_seconds(PLAIN, include_disturbed=True))
 
 
-def run_case(case: predictions.Case, shape: tuple[int, ...], args: argparse.Namespace,
-             patience: Patience) -> Result:
-    sample = estimate_accuracy.SIZES[case.name].make(*shape)
-    model = predictions.fresh(case)
-    measured, foreign, disturbed = quiet_profile(model, sample, case, args.repeats,
-                                                 args.max_foreign_load, patience)
+def run_case(family: Family, shape: tuple[int, ...], args: argparse.Namespace,
+             deadline: float) -> Result:
+    sample = family.make_sample(*shape)
+    model = family.fresh()
+    # Every share the measured profile predicts rests on its times: taken on a quiet machine,
+    # again (at most three times, while patience lasts) if others ran meanwhile.
+    quiet = _common.quiet_profile(model, sample, max_foreign_cores=args.max_foreign_load,
+                                  deadline=deadline, attempts=PROFILE_ATTEMPTS, report=None,
+                                  loss_fn=family.loss_fn, repeats=args.repeats)
+    measured, disturbed = quiet.profile, quiet.disturbed
+    foreign = quiet.foreign + (", DISTURBED" if disturbed else "")
     # A fresh model of the same weights: estimate swaps parameters for fake ones while it runs.
-    estimated = gradckpt.estimate(predictions.fresh(case), sample, loss_fn=case.loss_fn,
+    estimated = gradckpt.estimate(family.fresh(), sample, loss_fn=family.loss_fn,
                                   device="this")
     names = [block.name for block in measured.blocks]
     if names != [block.name for block in estimated.blocks]:
-        raise SystemExit(f"{case.name}: estimate found other blocks than profile: {names}")
+        raise SystemExit(f"{family.name}: estimate found other blocks than profile: {names}")
     by_layout: dict[str, Timed] = {}
     for label, plan in solved_plans(measured, args.budget_share):
         entry = priced(measured, estimated, label, plan)
@@ -297,10 +233,10 @@ def run_case(case: predictions.Case, shape: tuple[int, ...], args: argparse.Name
     plans = list(by_layout.values())
     control = priced(measured, estimated, DO_NOTHING, gradckpt.solve(measured, None, "none"))
     size = "x".join(str(n) for n in shape)
-    print(f"{case.name} {size}: profiled (foreign load meanwhile {foreign}), estimated; timing "
+    print(f"{family.name} {size}: profiled (foreign load meanwhile {foreign}), estimated; timing "
           f"{len(plans) + 1} plans x {args.rounds} rounds", flush=True)
-    plain_seconds = time_plans(model, sample, case, [*plans, control], args, patience)
-    return Result(case.name, size, measured, estimated, plans, control, plain_seconds,
+    plain_seconds = time_plans(model, sample, family, [*plans, control], args, deadline)
+    return Result(family.name, size, measured, estimated, plans, control, plain_seconds,
                   disturbed)
 
 
@@ -473,26 +409,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return _common.parse_run_arguments(parser, argv, FULL, QUICK)
 
 
-def chosen(args: argparse.Namespace) -> list[tuple[predictions.Case, tuple[int, ...]]]:
-    """The (case, size) pairs to run, in ``predictions.CASES`` order."""
-    names = args.only.split(",") if args.only else (
-        [QUICK_CASE] if args.quick else list(DEFAULT_CASES))
-    unknown = [name for name in names if name not in SIZES]
-    if unknown:
-        raise SystemExit(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(SIZES)}")
+def chosen(args: argparse.Namespace) -> list[tuple[Family, tuple[int, ...]]]:
+    """The (family, size) pairs to run, in catalogue order."""
+    names = args.only or (QUICK_CASE if args.quick else ",".join(DEFAULT_CASES))
+    try:
+        picked = families(names)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     # --quick shrinks the sample too: it is a smoke test of seconds, not a measurement.
-    return [(case, QUICK_SIZE if args.quick and case.name == QUICK_CASE else SIZES[case.name])
-            for case in predictions.CASES if case.name in names]
+    return [(family, QUICK_SIZE if args.quick and family.name == QUICK_CASE
+             else SIZES[family.name]) for family in picked]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    picked = chosen(args)
     # MemTracker's module tracker warns when it loses track of which module runs (Transformers
     # models in backward); only its attribution suffers, not the memory profile reads.
     warnings.filterwarnings("ignore", module="torch.distributed._tools.mod_tracker")
     started = time.monotonic()
     print("bench/estimate_times.py: estimated (roofline) vs measured time shares, this CPU")
-    print(f"command: {frontier.command_line(argv)}")
+    print(f"command: {_common.command_line(argv)}")
     print(_common.describe_machine(torch.device("cpu")))
     print(f"estimate device: {format_device(device_spec('this'))}")
     print(f"gradckpt {gradckpt.__version__} from {os.path.dirname(gradckpt.__file__)}; "
@@ -500,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
           f"+ {args.steps} timed step(s) per block; load average before: "
           f"{_common.load_average()}")
     print()
-    patience = Patience(args.patience)
-    results = [run_case(case, shape, args, patience) for case, shape in chosen(args)]
+    deadline = time.monotonic() + args.patience  # for waiting on others, over the whole run
+    results = [run_case(family, shape, args, deadline) for family, shape in picked]
     print()
     print("steps: the plain step measured (gradckpt.profile; and timed between the plans, "
           "median), estimated, and each's blocks' forwards summed as a share of the step")

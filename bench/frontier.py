@@ -32,11 +32,13 @@ until other processes use at most ``--max-foreign-load`` cores before each timed
 what it timed while they used more, and runs more rounds until each contender has ``--rounds``
 undisturbed ones.
 
-How it times (``_common.bracketed_timings``): a round runs a block of "none", then each other
-contender's block followed by another block of "none", the contenders in an order shuffled
-afresh each round (seeded by ``--seed``). A block is ``--warmup`` untimed steps, then ``--steps``
-timed ones (the block's time: their median). A contender's time / none in a round is its block's
-time over the mean of the two none blocks around it. Why: a step's time depends on the step
+How it times (``gradckpt.side_by_side.time_side_by_side``, bracketed, through
+``_common.timed_side_by_side``): a round runs a block of "none", then each other contender's
+block followed by another block of "none", the contenders in an order shuffled afresh each
+round (seeded by ``--seed``). A block is ``--warmup`` untimed steps, then ``--steps`` timed ones
+(the block's time: their median), the contender installed around it, outside the timed
+steps. A contender's time / none in a round is its block's time over the mean of the two none
+blocks around it. Why: a step's time depends on the step
 before it (here a plain step right after one of torch's selective checkpointing took 10-15%
 longer than after another plain step), so every timed step follows a step of its own kind, as in
 a training loop; and these machines speed up and slow down by 10-20% over seconds, so each
@@ -89,7 +91,6 @@ import contextlib
 import functools
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -98,16 +99,24 @@ from dataclasses import dataclass, field
 
 import _common
 import torch
+from _common import describe_segments, mib, noise_floor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import gradckpt
-from gradckpt.cli.progress import progress_bar
 from gradckpt.cost import simulate
 from gradckpt.engine import is_matmul_or_attention
-from gradckpt.measure import measure_peak_bytes
 from gradckpt.plan import Plan, Segment
-from gradckpt.toy_models import GPTConfig, TinyGPT
+from gradckpt.side_by_side import (
+    RatioStats,
+    Round,
+    SideBySideTimes,
+    UsersStep,
+    installed,
+    measure_users_step,
+    summarize_ratios,
+)
+from gradckpt.toy_models import TinyGPT
 
 PEAK_ERROR_TARGET = 0.05  # |predicted - measured| / measured peak
 EXTRA_TIME_ERROR_TARGET = 0.15  # |predicted - measured| / measured extra time, or the floor
@@ -190,16 +199,6 @@ def anchor_installed(model: TinyGPT, anchor: Anchor) -> Iterator[None]:
             del block.forward
 
 
-@contextlib.contextmanager
-def plan_installed(model: TinyGPT, plan: Plan) -> Iterator[None]:
-    """``gradckpt.apply`` the plan while the context is open, ``gradckpt.disable`` after."""
-    gradckpt.apply(model, plan)
-    try:
-        yield
-    finally:
-        gradckpt.disable(model)
-
-
 # --------------------------------------------------------------------------------------------
 # Contenders: what runs, and what was predicted and measured about it
 # --------------------------------------------------------------------------------------------
@@ -215,26 +214,6 @@ class Contender:
     plan: Plan | None = None  # gradckpt contenders only
     budgets: list[str] = field(default_factory=list)  # anchors whose peak gave this plan
     peak_bytes: int = 0  # measured
-
-
-def describe_segments(segments: list[Segment]) -> str:
-    """Segments in short: "0-1 2-3" (block ranges), "(4-7: 4-5)" nesting, "+m" save-matmuls."""
-    if not segments:
-        return "no checkpointing"
-
-    def one(segment: Segment) -> str:
-        text = str(segment.start)
-        if segment.end > segment.start:
-            text += f"-{segment.end}"
-        if segment.policy == "save-matmuls":
-            text += "+m"
-        elif segment.policy:
-            text += f"+{segment.policy}"
-        if segment.children:
-            text = f"({text}: {' '.join(one(child) for child in segment.children)})"
-        return text
-
-    return " ".join(one(segment) for segment in segments)
 
 
 def anchor_contenders(model: TinyGPT, measured: gradckpt.Profile) -> list[Contender]:
@@ -280,7 +259,7 @@ def gradckpt_contenders(
             by_layout[layout] = Contender(
                 name=f"gradckpt @ {anchor.name}",
                 layout=layout,
-                install=functools.partial(plan_installed, model, plan),
+                install=functools.partial(installed, model, plan),
                 predicted_peak_bytes=plan.predicted_peak_bytes,
                 predicted_overhead=plan.predicted_overhead,
                 plan=plan,
@@ -310,64 +289,14 @@ def do_nothing_contender(
 
 
 # --------------------------------------------------------------------------------------------
-# Profiling
+# Gradient check, memory
 # --------------------------------------------------------------------------------------------
 
 
-def quiet_profile(
-    model: TinyGPT, sample: dict[str, torch.Tensor], max_foreign_cores: float, patience: float
-) -> gradckpt.Profile:
-    """``gradckpt.profile`` on a quiet machine, saying how quiet it stayed.
-
-    The profile's times set every predicted extra time, so a profile taken while another
-    process ran would skew all predictions alike; wait first, and report the foreign load.
+def check_gradients(model: TinyGPT, step: UsersStep, contenders: list[Contender]) -> str:
+    """Run each contender's step once; losses and gradients must equal the first's bit for bit.
     """
-    if max_foreign_cores != float("inf"):
-        _common.wait_for_quiet(max_foreign_cores, time.monotonic() + patience)
-    load = _common.ForeignLoad()
-    load.start()
-    # The progress bar only helps on a terminal; piped into a file it is noise.
-    with progress_bar("gradckpt: profiling", enabled=sys.stderr.isatty()) as report:
-        measured = gradckpt.profile(model, sample, progress=report)
-    foreign_cores = load.stop()
-    foreign = "n/a" if foreign_cores is None else f"{foreign_cores:.2f}"
-    print(
-        f"gradckpt.profile: peak {mib(measured.peak_bytes)} MiB, fixed "
-        f"{mib(measured.fixed_bytes)} MiB, plain step {measured.step_seconds:.3f} s; "
-        f"foreign load meanwhile {foreign}"
-    )
-    if foreign_cores is not None and foreign_cores > max_foreign_cores:
-        print("WARNING: other processes ran while profiling; predicted times are suspect.")
-    return measured
-
-
-# --------------------------------------------------------------------------------------------
-# Steps, gradient check, memory
-# --------------------------------------------------------------------------------------------
-
-
-def make_step(
-    model: TinyGPT, sample: dict[str, torch.Tensor], install: Installer, seed: int
-) -> Callable[[], torch.Tensor]:
-    """One training step (gradients reset, forward, loss, backward) with ``install`` in effect.
-
-    Installing and removing the checkpointing inside the step keeps every contender on the same
-    model instance; it costs microseconds against a step of a fraction of a second.
-    """
-
-    def step() -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)  # the same dropout masks for every contender
-        with install():
-            loss = model(**sample)
-            loss.backward()
-        return loss.detach()
-
-    return step
-
-
-def check_gradients(model: TinyGPT, steps: dict[str, Callable[[], torch.Tensor]]) -> str:
-    """Run each step once; losses and gradients must equal the first step's bit for bit."""
+    steps = {c.name: _common.with_installed(model, step, c.install) for c in contenders}
     compared = _common.require_identical_gradients(model, steps)
     return (
         f"gradients: all {len(steps)} contenders == {next(iter(steps))}, bit for bit "
@@ -375,11 +304,10 @@ def check_gradients(model: TinyGPT, steps: dict[str, Callable[[], torch.Tensor]]
     )
 
 
-def measure_peak(model: TinyGPT, sample: dict[str, torch.Tensor], step: Callable) -> int:
-    model.zero_grad(set_to_none=True)  # as in gradckpt.profile: gradients are made in the step
-    peak = measure_peak_bytes(step, model, *sample.values())
-    model.zero_grad(set_to_none=True)
-    return peak
+def measure_peak(model: TinyGPT, sample: dict[str, torch.Tensor], install: Installer,
+                 seed: int) -> int:
+    """The peak of the loop's second training step with ``install`` in effect."""
+    return measure_users_step(model, sample, install, seed=seed).peak_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,21 +315,8 @@ def measure_peak(model: TinyGPT, sample: dict[str, torch.Tensor], step: Callable
 # --------------------------------------------------------------------------------------------
 
 
-def mib(nbytes: int) -> str:
-    return f"{nbytes / _common.MIB:.2f}"
-
-
-def noise_floor(do_nothing: _common.RatioStats) -> float:
-    """How far from 1 the do-nothing contender's ratio strayed in the middle half of the rounds.
-
-    Its true ratio is exactly 1 (it runs what "none" runs), so this is what timing alone does to
-    any ratio here, offset and spread together: an extra time within the floor is noise-sized.
-    """
-    return max(abs(do_nothing.lower_quartile - 1), abs(do_nothing.upper_quartile - 1))
-
-
 def measured_table(
-    contenders: list[Contender], ratios: dict[str, _common.RatioStats | None]
+    contenders: list[Contender], ratios: dict[str, RatioStats | None]
 ) -> str:
     none_peak = contenders[0].peak_bytes
     rows = []
@@ -525,7 +440,7 @@ def frontier_rows(
     anchors: list[Contender],
     at_budget: dict[str, Contender | str],
     extras: dict[str, float],
-    timings: _common.BracketedTimings,
+    timings: SideBySideTimes,
     floor: float,
 ) -> list[FrontierRow]:
     rows = []
@@ -565,7 +480,7 @@ def frontier_rows(
 
 
 def paired_rounds(
-    ours: str, anchor: str, timings: _common.BracketedTimings
+    ours: str, anchor: str, timings: SideBySideTimes
 ) -> list[tuple[float, float]]:
     """(gradckpt's time/none, the anchor's) in each round where both were undisturbed; the
     reference "none" is 1 in every round."""
@@ -576,7 +491,7 @@ def paired_rounds(
     return [(mine[index], theirs[index]) for index in sorted(mine.keys() & theirs.keys())]
 
 
-def paired_gap(ours: str, anchor: str, timings: _common.BracketedTimings) -> float:
+def paired_gap(ours: str, anchor: str, timings: SideBySideTimes) -> float:
     """Median over rounds of gradckpt's time/none minus the anchor's in the same round: how
     much more extra time gradckpt takes, each round's drift cancelled (the difference of the
     two medians is not: two equal-work layouts once measured +0.158 and +0.256 that way)."""
@@ -587,7 +502,7 @@ def paired_gap(ours: str, anchor: str, timings: _common.BracketedTimings) -> flo
 
 
 def sign_test(
-    ours: str, anchor: str, timings: _common.BracketedTimings
+    ours: str, anchor: str, timings: SideBySideTimes
 ) -> tuple[int, int, float]:
     """In how many rounds gradckpt took longer than the anchor, of the rounds where they
     differed, and the chance of at least that many if neither were faster (one-sided sign
@@ -605,14 +520,14 @@ def sign_test(
     return slower, n, p
 
 
-def step_time_text(ours: str, anchor: str, timings: _common.BracketedTimings) -> str:
+def step_time_text(ours: str, anchor: str, timings: SideBySideTimes) -> str:
     """gradckpt's step time / the anchor's, per round (each measured against "none" there)."""
     if ours == anchor:
         return "the same contender"
     ratios = [mine / theirs for mine, theirs in paired_rounds(ours, anchor, timings)]
     if not ratios:
         return "step time gradckpt/anchor: no round where both were undisturbed"
-    paired = _common.summarize_ratios(ratios)
+    paired = summarize_ratios(ratios)
     return (
         f"step time gradckpt/anchor {paired.median:.3f} "
         f"[{paired.lower_quartile:.3f}-{paired.upper_quartile:.3f}]"
@@ -691,18 +606,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # CPU by default, as the planning issue asks (MemTracker peaks); on a GPU, peaks are the
     # CUDA allocator's and times far steadier than on a shared CPU.
     _common.add_device_argument(parser, "cpu")
-    args = _common.parse_run_arguments(parser, argv, FULL, QUICK)
-    args.device = _common.resolve_device(parser, args.device)
-    return args
-
-
-def command_line(argv: list[str] | None) -> str:
-    """The command as typed from the repository root (interpreter path relative when inside)."""
-    python = sys.executable
-    relative = os.path.relpath(python)
-    if not relative.startswith(".."):
-        python = relative
-    return shlex.join([python, sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    return _common.parse_run_arguments(parser, argv, FULL, QUICK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -714,43 +618,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = args.device
 
-    torch.manual_seed(args.seed)
-    config = GPTConfig(
-        n_layer=args.layers, n_embd=args.embd, n_head=args.heads, block_size=args.seq
-    )
-    model = TinyGPT(config).to(device).train()  # train(): dropout on, RNG replay exercised
-    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), device=device)
-    sample = {"idx": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
-    parameter_count = sum(p.numel() for p in model.parameters())
+    gpt = _common.GPTRun.from_args(args, device)
+    model, sample = gpt.model, gpt.sample
 
     print("bench/frontier.py: memory/time frontier, torch.utils.checkpoint anchors vs gradckpt")
-    print(f"command: {command_line(argv)}")
+    print(f"command: {_common.command_line(argv)}")
     print(_common.describe_machine(device))
     print(f"gradckpt {gradckpt.__version__} from {os.path.dirname(gradckpt.__file__)}")
-    print(
-        f"model: TinyGPT {args.layers} layers, n_embd {args.embd}, {args.heads} heads, "
-        f"dropout {config.dropout}, {parameter_count / 1e6:.2f}M parameters; "
-        f"batch {args.batch} x seq {args.seq}"
-    )
+    print(gpt.description)
     print(f"load average before: {_common.load_average()}")
     print()
 
     # ---- profile once, measure the anchors' peaks, solve for each -------------------------
-    measured_profile = quiet_profile(model, sample, args.max_foreign_load, args.patience)
+    measured_profile = _common.quiet_profile(
+        model, sample, max_foreign_cores=args.max_foreign_load,
+        deadline=time.monotonic() + args.patience,
+    ).profile
     anchors = anchor_contenders(model, measured_profile)
     for anchor in anchors:
-        anchor.peak_bytes = measure_peak(
-            model, sample, make_step(model, sample, anchor.install, args.seed)
-        )
+        anchor.peak_bytes = measure_peak(model, sample, anchor.install, args.seed)
     ours, at_budget = gradckpt_contenders(model, measured_profile, anchors)
     for name, found in at_budget.items():
         if isinstance(found, str):
             print(f"  budget {name}: {found}")
     do_nothing, control = do_nothing_contender(anchors, ours)
     contenders = anchors + ours + ([control] if control else [])
-    steps = {c.name: make_step(model, sample, c.install, args.seed) for c in contenders}
     for c in contenders[len(anchors) :]:
-        c.peak_bytes = measure_peak(model, sample, steps[c.name])
+        c.peak_bytes = measure_peak(model, sample, c.install, args.seed)
     print()
     print("contenders:")
     for index, c in enumerate(contenders):
@@ -761,7 +655,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{c.name} (budget = peak of {', '.join(c.budgets)}):\n{c.plan}")
     print()
 
-    print(check_gradients(model, steps))
+    # One step for all: installing and removing a contender happens around its block of steps,
+    # so that every contender runs the same model instance.
+    step = UsersStep(model, sample, seed=args.seed)  # the same dropout masks for everyone
+    print(check_gradients(model, step, contenders))
     print()
 
     # ---- time: each contender between two blocks of none, in shuffled order -----------------
@@ -774,43 +671,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     others = contenders[1:]
 
-    def show_round(index: int, measured: _common.BracketedRound) -> None:
+    def show_round(index: int, measured: Round) -> None:
         ratios = measured.ratios()
-        base = statistics.median(b.median_seconds for b in measured.blocks if b.name == "none")
+        base = measured.seconds("none")
         cells = " ".join(
             "  - " if ratios[c.name] is None else f"{ratios[c.name]:.2f}" for c in others
         )
-        loads = [b.foreign_cores for b in measured.blocks if b.foreign_cores is not None]
+        loads = [turn.load for turn in measured.turns if turn.load is not None]
         foreign = f"max {max(loads):.2f}" if loads else "n/a"
-        disturbed = sum(b.disturbed for b in measured.blocks)
+        disturbed = sum(turn.disturbed for turn in measured.turns)
         note = f"  {disturbed} block(s) DISCARDED (machine busy)" if disturbed else ""
         print(
             f"  round {index + 1:>2}  none {base:.3f}s  {cells}  foreign load {foreign}{note}",
             flush=True,
         )
 
-    timings = _common.bracketed_timings(
-        steps,
-        "none",
+    timings = _common.timed_side_by_side(
+        {c.name: step for c in contenders},  # "none" first: the reference
         args.rounds,
-        args.warmup,
-        args.steps,
-        device,
-        seed=args.seed,
+        warmup_rounds=0,
+        warmup_steps=args.warmup,
+        timed_steps=args.steps,
+        bracketed=True,
+        shuffle_seed=args.seed,
+        device=device,
+        setup={c.name: c.install for c in contenders},
         on_round=show_round,
         max_foreign_cores=args.max_foreign_load,
         patience_seconds=args.patience,
     )
-    ratios: dict[str, _common.RatioStats | None] = {"none": None}
+    ratios: dict[str, RatioStats | None] = {"none": None}
     for c in others:
-        measured = timings.ratios(c.name)
-        ratios[c.name] = _common.summarize_ratios(measured) if measured else None
+        ratios[c.name] = timings.ratio_stats(c.name)
     missing = [c.name for c in others if ratios[c.name] is None]
     if missing:
         sys.exit(f"FAIL: no undisturbed round for {', '.join(missing)}; rerun on a quiet machine")
     extras = {"none": 0.0} | {c.name: ratios[c.name].median - 1 for c in others}
     floor = noise_floor(ratios[do_nothing.name])
-    blocks = [b for measured in timings.rounds for b in measured.blocks]
+    blocks = [turn for measured in timings.rounds for turn in measured.turns]
     plain_seconds = statistics.median(timings.seconds("none"))
     print(
         f"rounds: {len(timings.rounds)} run, {sum(b.disturbed for b in blocks)} of {len(blocks)} "

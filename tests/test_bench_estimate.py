@@ -1,6 +1,7 @@
-"""``bench/estimate_accuracy.py`` runs (issue 15): a smoke test of its ``--quick`` mode.
+"""``bench/estimate_accuracy.py`` runs (issue 15): a smoke test of its ``--quick`` mode, as a
+user starts it (a subprocess: tests import no bench script).
 
-Two cases at their small size: every row is there (the plain step, 70% and 45%), the plans
+Two families at their small size: every row is there (the plain step, 70% and 45%), the plans
 solved from the estimate leave the gradients as the plain model's, the table and the verdict
 line print. How accurate the estimate is over every family and size is the benchmark's
 verdict, not this test's; on Llama and the CNN the plain step's bytes must be exact, as
@@ -9,38 +10,46 @@ verdict, not this test's; on Llama and the CNN the plain step's bytes must be ex
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import estimate_accuracy  # noqa: E402  (bench/estimate_accuracy.py)
-
-pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "estimate_accuracy.py"
 
 
+def run_script(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
 def test_quick_mode_gives_every_row_with_identical_gradients() -> None:
-    printed: list[str] = []
-    cases = estimate_accuracy.chosen_cases("llama,cnn")
-    rows = estimate_accuracy.run(cases, quick=True, report=printed.append)
-    assert [(row.model, row.what.split()[0]) for row in rows] == [
+    done = run_script("--quick", "--only", "llama,cnn")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("model "))
+    # Columns: model (11 wide), size (10), what (11), then budget, estimated, measured, error,
+    # vs budget, block saved and gradients.
+    rows = [(line[:11].strip(), line[23:34].strip(), line[35:].split())
+            for line in lines[header + 2:header + 8]]
+    assert [(model, what.split()[0]) for model, what, _ in rows] == [
         (name, what) for name in ("llama", "cnn") for what in ("plain", "70%", "45%")
-    ]
-    assert len(printed) == len(rows)
-    for row in rows:
-        assert row.identical, f"{row.model} {row.what}: gradients differ from the plain model's"
-        if row.what == "plain":
-            assert row.estimated_bytes == row.measured_bytes, row
-            assert row.block_saved_error == 0.0, row
+    ], done.stdout
+    for model, what, cells in rows:
+        budget, estimated, measured, error, over, saved, gradients = cells
+        assert gradients == "identical", f"{model} {what}: gradients differ from the plain's"
+        if what == "plain":
+            assert (estimated, error, saved) == (measured, "+0.00%", "0.00%"), cells
         else:
-            assert row.budget_bytes is not None and row.over_budget is not None
-    line = estimate_accuracy.verdict(rows)
-    assert line.startswith("verdict: peak error median") and line.endswith(
-        "gradients identical: PASS")
+            assert budget != "-" and over != "-", cells
+    verdict = next(line for line in lines if line.startswith("verdict: "))
+    assert verdict.startswith("verdict: peak error median"), verdict
+    assert verdict.endswith("gradients identical: PASS"), verdict
 
 
-def test_unknown_case_names_are_refused() -> None:
-    with pytest.raises(SystemExit, match="unknown case"):
-        estimate_accuracy.chosen_cases("llama,gpt5")
+def test_unknown_family_names_are_refused() -> None:
+    done = run_script("--only", "llama,gpt5")
+    assert done.returncode != 0
+    assert "unknown family gpt5" in done.stderr, done.stderr

@@ -8,7 +8,6 @@ it must leave alone: the model, and this process's memory.
 from __future__ import annotations
 
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -16,23 +15,18 @@ import pytest
 import torch
 
 import gradckpt
+from gradckpt.cli.model_lookup import build_known_model
 from gradckpt.cost import simulate
+from gradckpt.integrations.hf_families import FAMILIES, family, hf_model
 from gradckpt.predict.clock import ModeledClock
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import predictions  # noqa: E402  (the model families)
-
-FAMILIES = predictions.CASES
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FAMILIES, ids=lambda case: case.name)
 def test_estimate_and_profile_agree_on_bytes(case) -> None:
     sample = case.sample()
-    measured = gradckpt.profile(predictions.fresh(case), sample, loss_fn=case.loss_fn,
-                                repeats=1)
-    model = predictions.fresh(case)
+    measured = gradckpt.profile(case.fresh(), sample, loss_fn=case.loss_fn, repeats=1)
+    model = case.fresh()
     before = {name: p.detach().clone() for name, p in model.state_dict().items()}
     # For this machine: on a GPU target, attention runs the GPU's kernel (test_estimate_attention).
     predicted = gradckpt.estimate(model, sample, loss_fn=case.loss_fn, device="this")
@@ -64,12 +58,11 @@ def test_estimate_and_profile_agree_on_bytes(case) -> None:
 
 
 def test_a_model_on_the_meta_device_is_estimated_in_bf16() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    with torch.device("meta"):  # the catalogue's Llama, at other sizes
+        model = hf_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1376,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=512, attention_dropout=0.0)
     ids = torch.randint(0, 32000, (2, 256), device="meta")
     predicted = gradckpt.estimate(model, {"input_ids": ids, "labels": ids},
                                   device="a100-80gb", dtype=torch.bfloat16)
@@ -81,14 +74,9 @@ def test_a_model_on_the_meta_device_is_estimated_in_bf16() -> None:
 
 @pytest.mark.slow
 def test_an_8b_llama_config_estimates_in_under_a_minute_without_memory() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(  # Llama-3-8B's hyper-parameters
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-        rope_theta=500000.0)
+    pytest.importorskip("transformers")
     grown_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+    model = build_known_model("llama-3-8b", on_meta=True)  # Llama-3-8B's published config
     assert sum(p.numel() for p in model.parameters()) > 8e9
     ids = torch.randint(0, 128256, (1, 1024))
     start = time.perf_counter()
@@ -129,9 +117,9 @@ def test_the_modeled_clock_is_a_roofline() -> None:
 
 
 def test_the_optimizer_state_is_in_the_peak_and_the_memory_is_broken_down() -> None:
-    case = next(case for case in predictions.CASES if case.name == "peft-llama")
+    case = family("peft-llama")
     sample = case.sample()
-    model = predictions.fresh(case)
+    model = case.fresh()
     without = gradckpt.estimate(model, sample, device="a100-80gb")
     with_adamw = gradckpt.estimate(model, sample, device="a100-80gb", optimizer="adamw")
     trainable_tensors = [p for p in model.parameters() if p.requires_grad]
@@ -167,9 +155,9 @@ def test_the_example_in_docs_estimate_runs() -> None:
 
 
 def test_world_size_makes_the_profile_one_sharding_ranks() -> None:
-    case = next(case for case in predictions.CASES if case.name == "llama")
+    case = family("llama")
     sample = case.sample()
-    model = predictions.fresh(case)
+    model = case.fresh()
     whole = gradckpt.estimate(model, sample, device="h100-80gb", optimizer="adamw")
     per_rank = gradckpt.estimate(model, sample, device="h100-80gb", optimizer="adamw",
                                  world_size=4)
@@ -207,13 +195,13 @@ def test_autocast_mixed_precision_is_estimated_as_it_measures() -> None:
     equals the profile of the same model wrapped that way, and shows the weights' bf16 copies."""
     import types
 
-    case = next(case for case in predictions.CASES if case.name == "llama")
+    case = family("llama")
     sample = case.sample()
-    wrapped = predictions.fresh(case)
+    wrapped = case.fresh()
     wrapped.forward = types.MethodType(
         torch.autocast("cpu", dtype=torch.bfloat16)(type(wrapped).forward), wrapped)
     measured = gradckpt.profile(wrapped, sample, repeats=1)
-    model = predictions.fresh(case)
+    model = case.fresh()
     predicted = gradckpt.estimate(model, sample, device="this", autocast=torch.bfloat16)
     assert predicted.peak_bytes == measured.peak_bytes
     assert [b.saved_bytes for b in predicted.blocks] == [b.saved_bytes for b in measured.blocks]

@@ -1,7 +1,7 @@
 """Hugging Face models under a gradckpt plan, used the way fine-tuning scripts use them (issue 14).
 
-Models built from configs (``bench/predictions.py``'s cases), ``labels`` in the batch, the
-output held through backward. Checked: ``gradckpt.enable`` at a budget fits and gives the plain
+Models built from configs (``gradckpt.integrations.hf_families``), ``labels`` in the batch,
+the output held through backward. Checked: ``gradckpt.enable`` at a budget fits and gives the plain
 model's gradients; Transformers' flags say what is happening; ``eval()`` + ``generate()`` runs as
 without gradckpt; Transformers' own switches have one behaviour; PEFT before or after
 ``enable``; and the one-time warnings for the classic silent failures.
@@ -9,10 +9,8 @@ without gradckpt; Transformers' own switches have one behaviour; PEFT before or 
 
 from __future__ import annotations
 
-import sys
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,18 +18,16 @@ from torch import nn
 
 import gradckpt
 from gradckpt.errors import forget_warnings
+from gradckpt.integrations import hf_families
+from gradckpt.side_by_side import measure_users_step
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import predictions  # noqa: E402  (the model families and the user's step)
 from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
 
-ALLOWANCE = predictions.ALLOWANCE
-FAMILIES = [case for case in predictions.CASES if case.name in
-            ("gpt2", "llama", "qwen2", "bert", "t5", "vit")]
+ALLOWANCE = 0.03  # measured over budget, and prediction against measured
+FAMILIES = hf_families.families("gpt2,llama,qwen2,bert,t5,vit")
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +54,12 @@ def _hook_counts(model: nn.Module) -> list[int]:
     return [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
 
 
+def users_step(model: nn.Module, sample: dict) -> tuple[int, list]:
+    """The peak of the loop's second step as users write it, and the gradients it left."""
+    measured = measure_users_step(model, sample)
+    return measured.peak_bytes, measured.gradients
+
+
 def _identical(first: list, second: list) -> bool:
     return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                for a, b in zip(first, second, strict=True))
@@ -67,14 +69,14 @@ def _identical(first: list, second: list) -> bool:
 @pytest.mark.parametrize("case", FAMILIES, ids=lambda case: case.name)
 def test_enable_fits_the_budget_with_the_plain_gradients_and_truthful_flags(case) -> None:
     sample = case.sample()
-    plain_peak, plain_grads = predictions.users_step(predictions.fresh(case), sample, None)
-    model = predictions.fresh(case)
+    plain_peak, plain_grads = users_step(case.fresh(), sample)
+    model = case.fresh()
     assert not _checkpointing_flag(model)
     plan = gradckpt.enable(model, sample, budget="60%")
     assert plan.segments, "a 60% budget must recompute something"
     assert _checkpointing_flag(model)
     assert not _transformers_layers_on(model)  # recomputation is gradckpt's alone
-    peak, grads = predictions.users_step(model, sample, None)
+    peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE), (peak, plan.budget_bytes)
     assert peak < plain_peak
     assert _identical(grads, plain_grads)
@@ -87,14 +89,15 @@ def test_enable_fits_the_budget_with_the_plain_gradients_and_truthful_flags(case
 
 
 def test_a_plan_that_recomputes_nothing_leaves_the_flags_false() -> None:
-    model = predictions.fresh(FAMILIES[1])
-    plan = gradckpt.enable(model, predictions.causal_sample(), budget="100%")
+    model = FAMILIES[1].fresh()
+    plan = gradckpt.enable(model, hf_families.causal_batch(), budget="100%")
     assert not plan.segments
     assert not _checkpointing_flag(model)
     gradckpt.disable(model)
 
 
-@pytest.mark.parametrize("build", [predictions.gpt2, predictions.llama, predictions.t5],
+@pytest.mark.parametrize("build", [hf_families.family(name).build
+                                   for name in ("gpt2", "llama", "t5")],
                          ids=["gpt2", "llama", "t5"])
 def test_generate_in_eval_runs_as_without_gradckpt_and_train_brings_the_plan_back(build):
     torch.manual_seed(0)
@@ -102,7 +105,7 @@ def test_generate_in_eval_runs_as_without_gradckpt_and_train_brings_the_plan_bac
     torch.manual_seed(0)
     model = build()
     seq2seq = model.config.is_encoder_decoder
-    sample = predictions.seq2seq_sample() if seq2seq else predictions.causal_sample()
+    sample = hf_families.seq2seq_batch() if seq2seq else hf_families.causal_batch()
     plan = gradckpt.enable(model.train(), sample, budget="50%")
     assert plan.segments
     prompt = sample["input_ids"][:, :12]
@@ -116,33 +119,33 @@ def test_generate_in_eval_runs_as_without_gradckpt_and_train_brings_the_plan_bac
     model.train()
     plain.train()
     assert _checkpointing_flag(model)
-    plain_peak, plain_grads = predictions.users_step(plain, sample, None)
-    peak, grads = predictions.users_step(model, sample, None)
+    plain_peak, plain_grads = users_step(plain, sample)
+    peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
     assert _identical(grads, plain_grads)
     gradckpt.disable(model)
 
 
 def test_a_later_transformers_enable_keeps_the_plan_and_warns_once() -> None:
-    sample = predictions.causal_sample()
-    _, plain_grads = predictions.users_step(predictions.fresh(FAMILIES[1]), sample, None)
-    model = predictions.fresh(FAMILIES[1])
+    sample = hf_families.causal_batch()
+    _, plain_grads = users_step(FAMILIES[1].fresh(), sample)
+    model = FAMILIES[1].fresh()
     plan = gradckpt.enable(model, sample, budget="55%")
     with pytest.warns(gradckpt.GradckptWarning, match="was not carried out") as caught:
         model.gradient_checkpointing_enable()
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={})
     assert len(caught) == 1
     assert not _transformers_layers_on(model)  # never both mechanisms on one layer
-    peak, grads = predictions.users_step(model, sample, None)
+    peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
     assert _identical(grads, plain_grads)
     gradckpt.disable(model)
 
 
 def test_a_transformers_disable_removes_the_plan() -> None:
-    model = predictions.fresh(FAMILIES[1])
+    model = FAMILIES[1].fresh()
     hooks = _hook_counts(model)
-    gradckpt.enable(model, predictions.causal_sample(), budget="55%")
+    gradckpt.enable(model, hf_families.causal_batch(), budget="55%")
     assert _hook_counts(model) != hooks
     model.activation_checkpointing_disable()
     assert _hook_counts(model) == hooks
@@ -151,9 +154,9 @@ def test_a_transformers_disable_removes_the_plan() -> None:
 
 
 def test_enable_on_a_model_with_transformers_checkpointing_on_replaces_it_until_disable():
-    sample = predictions.causal_sample()
-    _, plain_grads = predictions.users_step(predictions.fresh(FAMILIES[1]), sample, None)
-    model = predictions.fresh(FAMILIES[1])
+    sample = hf_families.causal_batch()
+    _, plain_grads = users_step(FAMILIES[1].fresh(), sample)
+    model = FAMILIES[1].fresh()
     model.activation_checkpointing_enable()
     layers = _transformers_layers_on(model)
     assert len(layers) == 4
@@ -161,7 +164,7 @@ def test_enable_on_a_model_with_transformers_checkpointing_on_replaces_it_until_
         plan = gradckpt.enable(model, sample, budget="55%")
     assert not _transformers_layers_on(model)
     assert _checkpointing_flag(model)
-    peak, grads = predictions.users_step(model, sample, None)
+    peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
     assert _identical(grads, plain_grads)
     gradckpt.disable(model)
@@ -186,21 +189,21 @@ def _lora_grads(model: nn.Module) -> list:
 
 @pytest.mark.parametrize("order", ["peft-then-enable", "enable-then-peft"])
 def test_peft_before_or_after_enable_gives_the_plain_peft_gradients(order) -> None:
-    sample = predictions.causal_sample()
-    plain = _lora(predictions.fresh(FAMILIES[1]))
-    plain_peak, _ = predictions.users_step(plain, sample, None)
+    sample = hf_families.causal_batch()
+    plain = _lora(FAMILIES[1].fresh())
+    plain_peak, _ = users_step(plain, sample)
     plain_grads = _lora_grads(plain)
     assert all(g is not None and g.abs().sum() > 0 for g in plain_grads)
     if order == "peft-then-enable":
-        model = _lora(predictions.fresh(FAMILIES[1]))
+        model = _lora(FAMILIES[1].fresh())
         plan = gradckpt.enable(model, sample, budget="55%")
     else:
-        base = predictions.fresh(FAMILIES[1])
+        base = FAMILIES[1].fresh()
         plan = gradckpt.enable(base, sample, budget="55%")
         model = _lora(base)
     assert plan.segments
     # No enable_input_require_grads(): the engine does not need its inputs to require grad.
-    peak, _ = predictions.users_step(model, sample, None)
+    peak, _ = users_step(model, sample)
     assert _identical(_lora_grads(model), plain_grads)
     assert peak < plain_peak
     if order == "peft-then-enable":
@@ -210,13 +213,13 @@ def test_peft_before_or_after_enable_gives_the_plain_peft_gradients(order) -> No
 
 
 def test_merge_and_unload_gives_a_plain_model() -> None:
-    sample = predictions.causal_sample()
-    model = _lora(predictions.fresh(FAMILIES[1]))
+    sample = hf_families.causal_batch()
+    model = _lora(FAMILIES[1].fresh())
     gradckpt.enable(model, sample, budget="55%")
-    predictions.users_step(model, sample, None)
+    users_step(model, sample)
     merged = model.merge_and_unload()
     gradckpt.disable(merged)  # the plan was applied to the PEFT model around it
-    fresh = predictions.fresh(FAMILIES[1])
+    fresh = FAMILIES[1].fresh()
     assert list(merged.state_dict()) == list(fresh.state_dict())
     assert _hook_counts(merged) == _hook_counts(fresh)
     assert not _checkpointing_flag(merged)
@@ -224,20 +227,20 @@ def test_merge_and_unload_gives_a_plain_model() -> None:
 
 
 def test_a_bf16_frozen_base_with_fp32_adapters() -> None:
-    sample = predictions.causal_sample()
+    sample = hf_families.causal_batch()
 
     def build() -> nn.Module:
-        base = predictions.fresh(FAMILIES[1]).to(torch.bfloat16)
+        base = FAMILIES[1].fresh().to(torch.bfloat16)
         model = _lora(base)  # PEFT keeps the adapters in fp32 (autocast_adapter_dtype)
         assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
         return model
 
     plain = build()
-    predictions.users_step(plain, sample, None)
+    users_step(plain, sample)
     model = build()
     plan = gradckpt.enable(model, sample, budget="60%")
     assert plan.segments
-    peak, _ = predictions.users_step(model, sample, None)
+    peak, _ = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
     assert _identical(_lora_grads(model), _lora_grads(plain))
     gradckpt.disable(model)
@@ -332,7 +335,7 @@ def test_qlora_a_4bit_bitsandbytes_base_with_lora_adapters(tmp_path, request) ->
     bitsandbytes' CPU backend: fits the budget, predicted, the plain QLoRA gradients."""
     pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
-    predictions.llama().save_pretrained(tmp_path)
+    hf_families.hf_model("llama").save_pretrained(tmp_path)
     # Loading a quantized model fills torch's cached list of factory functions while
     # torch.linspace and others are patched, so that later `with torch.device("meta")` blocks
     # make those on the CPU (torch 2.13, transformers 5.25); start that cache afresh after.
@@ -350,14 +353,14 @@ def test_qlora_a_4bit_bitsandbytes_base_with_lora_adapters(tmp_path, request) ->
                 quantized, use_gradient_checkpointing=False)
         return _lora(prepared).train()
 
-    sample = predictions.causal_sample()
+    sample = hf_families.causal_batch()
     plain = build()
     assert type(plain.base_model.model.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
-    plain_peak, _ = predictions.users_step(plain, sample, None)
+    plain_peak, _ = users_step(plain, sample)
     model = build()
     plan = gradckpt.enable(model, sample, budget="60%")
     assert plan.segments
-    peak, _ = predictions.users_step(model, sample, None)
+    peak, _ = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
     assert abs(plan.predicted_peak_bytes - peak) <= ALLOWANCE * peak
     assert peak < plain_peak
@@ -372,19 +375,19 @@ def test_mixed_precision_as_accelerate_applies_it_is_planned_as_it_runs() -> Non
     a 50% plan of this model was predicted 7.3% under its measured peak)."""
 
     def build() -> nn.Module:
-        model = predictions.fresh(FAMILIES[1])
+        model = FAMILIES[1].fresh()
         model.forward = types.MethodType(
             torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward), model)
         return model
 
-    sample = predictions.causal_sample()
-    _, plain_grads = predictions.users_step(build(), sample, None)
+    sample = hf_families.causal_batch()
+    _, plain_grads = users_step(build(), sample)
     model = build()
     measured = gradckpt.profile(model, sample, repeats=1)
     for share in (0.7, 0.5):
         plan = gradckpt.solve(measured, int(share * measured.peak_bytes))
         gradckpt.apply(model, plan)
-        peak, grads = predictions.users_step(model, sample, None)
+        peak, grads = users_step(model, sample)
         gradckpt.disable(model)
         assert plan.segments
         assert peak <= plan.budget_bytes * (1 + ALLOWANCE)

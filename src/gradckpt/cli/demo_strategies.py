@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .demo_size import DemoSize
-from .plan_measurements import PlanRun, identical_to, measure_peaks, time_plans, train_plans
+from .plan_measurements import PlanRun, identical_to, measure_plans, train_plans
 from .profiling import profile_with_bar
 from .progress import stage
 
@@ -77,8 +77,7 @@ def compare_strategies(
     stage("profiling TinyGPT (one training step, then each block)")
     profile = profile_with_bar(model, sample)
     runs = _demo_plans(profile)
-    measure_peaks(model, sample, runs, device)
-    time_plans(model, sample, runs, size.timing_repeats, device)
+    measure_plans(model, sample, runs, size.timing_repeats)
     train_plans(model, batches, runs, seed)
     heading = (
         f"TinyGPT: {size.layers} blocks, n_embd {config.n_embd}, batch {size.batch} x "

@@ -1,8 +1,8 @@
-"""Plans installed on a model in turn and measured: peak memory, step time, and training.
+"""The demo's plans measured on its GPT: side by side (``gradckpt.side_by_side``: each plan's
+peak and its step time in alternating rounds), then trained.
 
-Every measurement runs the same step ``gradckpt.profile`` measured (``training_step``), and
-starts it as a training loop does, with gradients set to None, so that the demo's measured
-columns compare with the predicted ones.
+Every measurement runs the step ``gradckpt.profile`` measured (the user's step, its output kept),
+so that the demo's measured columns compare with the predicted ones.
 
 Example:
     >>> import torch
@@ -14,9 +14,7 @@ Example:
     >>> profile = gradckpt.profile(model, sample, repeats=1)
     >>> runs = [PlanRun(name, "-", gradckpt.solve(profile, None, name))
     ...         for name in ("none", "every-layer")]
-    >>> cpu = torch.device("cpu")
-    >>> measure_peaks(model, sample, runs, cpu)
-    >>> time_plans(model, sample, runs, repeats=1, device=cpu)
+    >>> measure_plans(model, sample, runs, repeats=1)
     >>> train_plans(model, [(sample["idx"], sample["targets"])], runs, seed=0)
     >>> runs[0].peak_bytes >= runs[1].peak_bytes > 0, runs[1].median_seconds > 0
     (True, True)
@@ -28,19 +26,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .devices import synchronize
-from .progress import with_progress
+from .progress import progress_bar, with_progress
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["PlanRun", "measure_peaks", "time_plans", "train_plans", "identical_to"]
+__all__ = ["PlanRun", "measure_plans", "train_plans", "identical_to"]
 
 
 @dataclass
@@ -57,52 +52,22 @@ class PlanRun:
     parameters: list = dataclasses.field(default_factory=list)
 
 
-def measure_peaks(
-    model: nn.Module, sample: dict[str, Any], runs: list[PlanRun], device: torch.device
+def measure_plans(
+    model: nn.Module, sample: dict[str, Any], runs: list[PlanRun], repeats: int
 ) -> None:
-    """The peak memory of one training step under each plan, into ``run.peak_bytes``."""
-    import gradckpt
-    from gradckpt.measure import measure_peak_bytes
-    from gradckpt.measure.step import training_step
+    """Each plan's peak memory of a training step and its median step time over ``repeats``
+    rounds after one of warm-up, side by side (``gradckpt.side_by_side.compare_plans``), into
+    ``run.peak_bytes`` and ``run.median_seconds``. Training under each plan
+    (``train_plans``) checks its numbers, so gradients are not compared here."""
+    from gradckpt.side_by_side import compare_plans
 
-    def forward_backward() -> None:
-        training_step(model, sample)  # as profile() measured it
-
-    for run in with_progress(runs, "gradckpt: measuring the peak of each plan"):
-        gradckpt.apply(model, run.plan)
-        model.zero_grad(set_to_none=True)  # as in profile(): gradients start the step as None
-        run.peak_bytes = measure_peak_bytes(
-            forward_backward, model, *sample.values(), device=device
-        )
-    gradckpt.disable(model)
-    model.zero_grad(set_to_none=True)
-
-
-def time_plans(
-    model: nn.Module, sample: dict[str, Any], runs: list[PlanRun], repeats: int,
-    device: torch.device,
-) -> None:
-    """Median forward+backward time of each plan, in rounds (A, B, C, ..., A, B, C, ...), so
-    that a slow spell of the machine touches every plan alike; into ``run.median_seconds``."""
-    import gradckpt
-    from gradckpt.measure.step import training_step
-
-    times: dict[int, list[float]] = {index: [] for index in range(len(runs))}
-    rounds = range(1 + repeats)
-    for round_index in with_progress(rounds, "gradckpt: timing the plans side by side"):
-        for index, run in enumerate(runs):
-            gradckpt.apply(model, run.plan)  # outside the timed part: installing is not a step
-            model.zero_grad(set_to_none=True)
-            synchronize(device)
-            start = time.perf_counter()
-            training_step(model, sample)  # the step measure_peaks and profile() measure
-            synchronize(device)
-            if round_index:  # round 0 warms up
-                times[index].append(time.perf_counter() - start)
-    gradckpt.disable(model)
-    model.zero_grad(set_to_none=True)
-    for index, run in enumerate(runs):
-        run.median_seconds = statistics.median(times[index])
+    plans = {str(index): run.plan for index, run in enumerate(runs)}
+    with progress_bar("gradckpt: measuring the plans side by side (peak, time)") as report:
+        measured = compare_plans(model, sample, plans, rounds=repeats, check_gradients=False,
+                                 progress=report)
+    for key, run in zip(plans, runs, strict=True):
+        run.peak_bytes = measured.peak_bytes[key]
+        run.median_seconds = measured.median_seconds(key)
 
 
 def train_plans(
@@ -113,25 +78,24 @@ def train_plans(
     ``model(inputs, targets) -> loss``: into ``run.losses`` and ``run.parameters``."""
     import torch
 
-    import gradckpt
+    from gradckpt.side_by_side import installed
 
     initial = copy.deepcopy(model.state_dict())
     training = f"gradckpt: training {len(batches)} AdamW steps under each plan"
     for run in with_progress(runs, training):
         model.load_state_dict(initial)
-        gradckpt.apply(model, run.plan)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         torch.manual_seed(seed + 1)  # the same dropout masks for every plan
         losses = []
-        for inputs, targets in batches:
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(inputs, targets)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.detach())
+        with installed(model, run.plan):
+            for inputs, targets in batches:
+                optimizer.zero_grad(set_to_none=True)
+                loss = model(inputs, targets)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.detach())
         run.losses = torch.stack(losses)
         run.parameters = [parameter.detach().clone() for parameter in model.parameters()]
-    gradckpt.disable(model)
     model.load_state_dict(initial)
 
 

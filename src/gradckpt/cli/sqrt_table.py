@@ -99,20 +99,16 @@ def _measured_memory(
     """
     import torch
 
-    import gradckpt
     from gradckpt.cost import simulate
-    from gradckpt.measure import measure_peak_bytes
+    from gradckpt.side_by_side import measure_users_step
     from gradckpt.toy_models import mlp_chain
 
     torch.manual_seed(seed)
     chain = mlp_chain(depth, size.chain_width)
     rows = torch.randn(size.chain_rows, size.chain_width)
-    peaks = {}
-    for name, plan in plans.items():
-        gradckpt.apply(chain, plan)
-        chain.zero_grad(set_to_none=True)
-        peaks[name] = measure_peak_bytes(lambda: chain(rows).sum().backward(), chain, rows)
-    gradckpt.disable(chain)
+    # chain(rows).sum().backward(): the output goes before backward (keep_output=False).
+    peaks = {name: measure_users_step(chain, rows, plan, keep_output=False).peak_bytes
+             for name, plan in plans.items()}
     outside_bytes = peaks["none"] - simulate(homogeneous_chain(block, depth), [])[0]
     return {
         name: (peak - outside_bytes) / block.saved_bytes

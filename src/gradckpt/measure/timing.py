@@ -8,6 +8,9 @@ ratio of the two). Timed inside the same steps, a block's forward and the step m
 (``BlockForwardTimer``); the block's backward and what checkpointing adds are kept as ratios to
 its forward timed in the same round (``interleaved_seconds``, ``TimeRatios``), pooled over
 identical blocks (``pooled_times``), and put at the step's pace by its forward in the step.
+
+These are the parts of one profile, on the clock ``gradckpt.predict`` can model. Comparing whole
+training steps under several plans is another job: ``gradckpt.side_by_side``.
 """
 
 from __future__ import annotations
