@@ -549,6 +549,34 @@ def test_optimal_fills_its_tables_the_same_a_few_columns_at_a_time(seed, monkeyp
     assert [plan.segments for plan in narrow] == [plan.segments for plan in wide]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_optimal_plan_is_read_from_the_choice_tables(seed: int) -> None:
+    # The fill records each entry's choice (what_after, what_at_input, what_held) and the plan
+    # is read back from them, never chosen again: what it reads costs what the table holds
+    # (float32 sums) and fits the room the table was filled for.
+    profile = random_profile(900 + seed, 7)
+    for budget in budgets_for(profile)[1:-2]:
+        room_bytes = budget - FIXED_BYTES
+        tables = optimal_solver._TimeTables(profile, 1, room_bytes)
+        plan = tables.best_plan()
+        assert plan is not None
+        assert_valid(plan, 0, 6)
+        peak_bytes, extra_seconds = simulate(profile, plan)
+        assert peak_bytes <= room_bytes
+        assert extra_seconds == pytest.approx(tables._top()[-1].item(), rel=1e-6)
+
+
+def test_optimal_breaks_ties_between_plans_of_equal_time_by_their_exact_sums() -> None:
+    # Block 0 or block 1 (0.7 s each) checkpointed with block 2 (0.1 s): 0.8 s either way, but
+    # the tables' float32 sums round the two apart. The choice compares the float64 sums of
+    # the entries it reads (memory_levels.Choices), as the rebuild that chose again did.
+    profile = random_profile(0, 3, matmuls=False)
+    for block, seconds in zip(profile.blocks, [0.7, 0.7, 0.1], strict=True):
+        block.forward_seconds, block.checkpointed_extra_seconds = seconds, None
+    profile = with_peak(profile)
+    assert solve_optimal(profile, 1169) == [Segment(0, 0), Segment(2, 2)]
+
+
 def test_solving_leaves_torchs_thread_count_alone(monkeypatch) -> None:
     def refuse(count: int) -> None:
         raise AssertionError("a solver changed torch's thread count, which is process-wide")
