@@ -7,7 +7,7 @@ the plan ``gradckpt`` makes for 70% and 45% of the plain peak (or the smallest f
 when 45% is below it) fit, as the step users write measures it? The step is a loop's second step
 (``out = model(**batch); out.loss.backward()``): the model's output alive through backward, and
 the first step's until the second's forward returns, as ``profile`` assumes by default (no
-optimizer here: ``tests/test_training_loop.py`` measures loops with one).
+optimizer here: ``tests/test_enable_training_loop.py`` measures loops with one).
 
 For each model and budget it prints the budget, the predicted and the measured peak (the memory
 meter: MemTracker's "Total" on CPU; plans and the plain step measured side by side on one model,

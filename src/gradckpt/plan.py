@@ -108,8 +108,9 @@ def split_at_chain_breaks(segments: list[Segment], profile: Profile) -> list[Seg
     """Segments without children, each cut where the chain breaks (see ``Profile``).
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile
-        >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0) for i in range(6)]
+        >>> from gradckpt.profile_types import example_block
+        >>> blocks = [example_block(f"h.{i}", input_bytes=1, output_bytes=1, saved_bytes=1,
+        ...                         backward_seconds=1.0) for i in range(6)]
         >>> profile = Profile(blocks, 0, 0, 1.0, chain_breaks=[3])
         >>> [(s.start, s.end) for s in split_at_chain_breaks([Segment(0, 5)], profile)]
         [(0, 2), (3, 5)]

@@ -236,7 +236,8 @@ class Profile:
         next chain break, or the chain's last block.
 
         Example:
-            >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0) for i in range(5)]
+            >>> blocks = [example_block(f"h.{i}", input_bytes=1, output_bytes=1, saved_bytes=1,
+            ...                         backward_seconds=1.0) for i in range(5)]
             >>> profile = Profile(blocks, 0, 0, 1.0, chain_breaks=[3])
             >>> profile.segment_end_limit(0), profile.segment_end_limit(3)
             (2, 4)
@@ -251,8 +252,8 @@ class Profile:
         first block, when its input is part of the sample (``chain_input_fixed``).
 
         Example:
-            >>> blocks = [BlockProfile(f"h.{i}", 1, 1, 1, True, 1.0, 1.0, output_saved=True)
-            ...           for i in range(3)]
+            >>> blocks = [example_block(f"h.{i}", input_bytes=1, output_bytes=1, saved_bytes=1,
+            ...                         backward_seconds=1.0, output_saved=True) for i in range(3)]
             >>> profile = Profile(blocks, 0, 0, 1.0, chain_breaks=[2])
             >>> [profile.input_held(i) for i in range(3)]
             [False, True, False]
@@ -268,7 +269,7 @@ class Profile:
         the block before saved as its output counts there).
 
         Example:
-            >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 1.0, output_saved=True)
+            >>> blocks = [example_block(f"h.{i}", backward_seconds=1.0, output_saved=True)
             ...           for i in range(3)]
             >>> Profile(blocks, 0, 0, 1.0).plain_retained_bytes()  # 3 x 50, two inputs shared
             130

@@ -26,10 +26,10 @@ def optimal_frontier(profile: Profile, max_plans: int = 200) -> list[StrategyPoi
 
     Example:
         >>> from gradckpt import solve
-        >>> from gradckpt.profile_types import BlockProfile
+        >>> from gradckpt.profile_types import example_block
         >>> from gradckpt.cli.sqrt_table import homogeneous_chain
         >>> from gradckpt.solvers import BUDGET_DRIVEN
-        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 16)
+        >>> chain = homogeneous_chain(example_block("b"), 16)
         >>> points = optimal_frontier(chain)
         >>> points[0].peak_bytes == chain.peak_bytes, points[0].time_ratio
         (True, 1.0)
@@ -79,9 +79,9 @@ def plot_plan(profile: Profile, plan: Plan, path: Path) -> None:
     Example:
         >>> import tempfile
         >>> from gradckpt import solve
-        >>> from gradckpt.profile_types import BlockProfile
+        >>> from gradckpt.profile_types import example_block
         >>> from gradckpt.cli.sqrt_table import homogeneous_chain
-        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 8)
+        >>> chain = homogeneous_chain(example_block("b"), 8)
         >>> path = Path(tempfile.mkdtemp()) / "plan.png"
         >>> plot_plan(chain, solve(chain, None, "sqrt"), path)  # doctest: +SKIP
     """
@@ -103,9 +103,9 @@ def plan_point(label: str, plan: Plan, measured_peak_bytes: int | None = None,
 
     Example:
         >>> from gradckpt import solve
-        >>> from gradckpt.profile_types import BlockProfile
+        >>> from gradckpt.profile_types import example_block
         >>> from gradckpt.cli.sqrt_table import homogeneous_chain
-        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 4)
+        >>> chain = homogeneous_chain(example_block("b"), 4)
         >>> plan_point("every-layer", solve(chain, None, "every-layer"))
         StrategyPoint(label='every-layer', peak_bytes=90, time_ratio=1.3333333333333333, measured_peak_bytes=None, measured_time_ratio=None)
     """  # noqa: E501  (a doctest's output is one line)

@@ -50,8 +50,8 @@ class _Parser(argparse.ArgumentParser):
     flag, command or choice, and where the help is.
 
     The hooks are argparse's private ``_negative_number_matcher`` and ``_check_value`` (Python
-    3.14's own ``suggest_on_error`` works in ``_check_value`` too); tests/test_cli_suggestions.py
-    fails if a Python version changes them.
+    3.14's own ``suggest_on_error`` works in ``_check_value`` too);
+    tests/cli/test_cli_suggestions.py fails if a Python version changes them.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

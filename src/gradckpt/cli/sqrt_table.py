@@ -43,8 +43,8 @@ def homogeneous_chain(block: BlockProfile, depth: int) -> Profile:
     Named as the blocks of an ``nn.Sequential``, so its plans apply to ``mlp_chain(depth, ...)``.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile
-        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 100)
+        >>> from gradckpt.profile_types import example_block
+        >>> chain = homogeneous_chain(example_block("b"), 100)
         >>> len(chain.blocks), chain.blocks[99].name, chain.step_seconds
         (100, '99', 300.0)
     """
@@ -62,8 +62,8 @@ def sqrt_plans(chain: Profile) -> dict[str, Plan]:
     """none, every-layer and sqrt plans of a chain, and optimal within the sqrt plan's memory.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile
-        >>> chain = homogeneous_chain(BlockProfile("b", 10, 10, 50, True, 1.0, 2.0), 100)
+        >>> from gradckpt.profile_types import example_block
+        >>> chain = homogeneous_chain(example_block("b"), 100)
         >>> plans = sqrt_plans(chain)
         >>> plans["sqrt"].predicted_peak_bytes / 50, plans["sqrt"].predicted_extra_seconds
         (12.0, 100.0)

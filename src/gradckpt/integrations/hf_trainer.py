@@ -254,8 +254,8 @@ def plan_summary(plan: Plan, measured: Profile, budget: int | str | None) -> str
 
     Example:
         >>> from gradckpt.plan import Plan, Segment
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> profile = Profile(blocks, 1210, 1000, 12.0)
         >>> plan = Plan("optimal", 1150, [Segment(0, 1)], 1120, 2.0, 0.166,
         ...             block_names=["h.0", "h.1", "h.2", "h.3"])

@@ -157,8 +157,8 @@ def retained_activation_bytes(profile: Profile, plan: SolvedPlan) -> int:
 
     Example:
         >>> from gradckpt import solve
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> chain = Profile([BlockProfile(f"b{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)],
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> chain = Profile([example_block(f"b{i}") for i in range(4)],
         ...                 peak_bytes=300, fixed_bytes=0, step_seconds=12.0)
         >>> retained_activation_bytes(chain, solve(chain, None, "none"))  # 4 blocks x 50
         200

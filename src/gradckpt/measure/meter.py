@@ -13,8 +13,8 @@ torch 2.13's MemTracker puts a gradient hook on every parameter of every module 
 ``register_hook`` raises for a parameter that does not require grad: any frozen parameter
 (LoRA's base, a frozen embedding) crashed it. ``_MemTracker`` installs those hooks only on
 parameters that can have a gradient; a frozen one never has one to count, so what is counted
-does not change (``tests/test_meter.py`` checks that both agree to the byte where MemTracker
-works).
+does not change (``tests/measure/test_measure_meter.py`` checks that both agree to the byte
+where MemTracker works).
 """
 
 from __future__ import annotations

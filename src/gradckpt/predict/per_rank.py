@@ -23,12 +23,12 @@ segments), as every plan's is. What a rank holds besides its shards, as torch 2.
 
 Activations are per rank already (the sample is one rank's batch).
 
-Measured: ``tests/test_sharding_fsdp.py`` trains a 4-layer Llama with ``fully_shard`` on 2 CPU
-processes (gloo, reduce-scattering in place as NCCL does: gloo's own copies its input): plain,
-with a vocabulary large enough for the root to make the peak, LoRA on a frozen base, and every
-layer checkpointed (a plan ``gradckpt.solve`` made from this profile). Each rank's peak of
-forward and backward is within 156 bytes of the prediction (docs/estimate.md has the figures);
-before this model the plain one was 3.2% over and the large-vocabulary one 24% under.
+Measured: ``tests/predict/test_predict_per_rank.py`` trains a 4-layer Llama with
+``fully_shard`` on 2 CPU processes (gloo, reduce-scattering in place as NCCL does: gloo's own
+copies its input): plain, with a vocabulary large enough for the root to make the peak, LoRA on
+a frozen base, and every layer checkpointed (a plan ``gradckpt.solve`` made from this profile).
+Each rank's peak of forward and backward is within 156 bytes of the prediction
+(docs/estimate.md has the figures).
 
 Not modeled: FSDP units other than one per block plus the root; shard padding (FSDP2 pads each
 parameter's first dimension to a multiple of ``N``: at most ``N - 1`` rows per parameter);
@@ -36,8 +36,9 @@ parameter's first dimension to a multiple of ``N``: at most ``N - 1`` rows per p
 prefetching (``set_modules_to_forward_prefetch``); the time of the collectives. A checkpointed
 block's recomputation runs FSDP2's hooks again and holds what its backward holds anyway
 (measured for one-block segments; segments of several blocks run under FSDP2 with the
-gradients of a run without them, ``tests/test_fsdp.py``, their memory not yet measured against
-this model). ZeRO-3 shards the same parts with buffers of its own, not measured here.
+gradients of a run without them, ``tests/integrations/test_integrations_fsdp.py``, their memory
+not yet measured against this model). ZeRO-3 shards the same parts with buffers of its own,
+not measured here.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def shard(predicted: Profile, world_size: int) -> Profile:
     ``notes["largest_block_parameter_bytes"]``.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> block = BlockProfile("h.0", 10, 10, 50, True, 1.0, 2.0, gradient_bytes=400)
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> block = example_block("h.0", gradient_bytes=400)
         >>> whole = Profile([block], 2000, 1500, 4.0, notes={"memory_parts": {
         ...     "parameters": 800, "gradients (trainable parameters)": 800,
         ...     "optimizer state": 0}, "largest_block_parameter_bytes": 400})

@@ -13,8 +13,8 @@ wraps the segments in a ``Plan`` (predictions from ``gradckpt.cost.simulate``) a
   can produce fits, ``minimum_bytes`` is the lowest peak any of their plans reaches.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> blocks = [example_block(f"h.{i}") for i in range(4)]
     >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
     >>> plan = solve(profile, 1120)
     >>> plan.predicted_peak_bytes <= 1120, plan.predicted_extra_seconds
@@ -74,8 +74,8 @@ def solve(profile: Profile, budget: int | str | None = None, strategy: str = "op
     lower it, and ``profile`` is this profile, to solve again without measuring again.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
         >>> solve(profile, strategy="every-layer").predicted_overhead  # 4 s extra of 12 s
         0.3333333333333333

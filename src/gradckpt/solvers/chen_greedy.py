@@ -11,8 +11,8 @@ consecutive blocks; a geometric grid of them for long chains), each plan is judg
 a candidate too, so a budget the model meets without checkpointing costs nothing.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> blocks = [example_block(f"h.{i}") for i in range(4)]
     >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
     >>> [(s.start, s.end) for s in solve_chen_greedy(profile, 1120)]
     [(0, 1), (2, 3)]
@@ -34,8 +34,8 @@ def greedy_segments(profile: Profile, threshold_bytes: int) -> list[Segment]:
     """Chen's greedy pass for one threshold: close a segment once its saved bytes exceed it.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(5)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(5)]
         >>> [(s.start, s.end) for s in greedy_segments(Profile(blocks, 0, 0, 1.0), 60)]
         [(0, 1), (2, 3), (4, 4)]
     """
@@ -60,8 +60,8 @@ def candidate_plans(profile: Profile) -> list[list[Segment]]:
     """Every distinct plan the greedy makes over the thresholds searched, plus no segments.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> [[(s.start, s.end) for s in plan] for plan in candidate_plans(Profile(blocks, 0, 0, 1))]
         [[], [(0, 0), (1, 1), (2, 2), (3, 3)], [(0, 1), (2, 3)], [(0, 2), (3, 3)], [(0, 3)]]
     """
@@ -96,8 +96,8 @@ def solve_chen_greedy(profile: Profile, budget_bytes: int | None) -> list[Segmen
     ``BudgetError``); ``budget_bytes=None`` means no limit (no segments).
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
         >>> solve_chen_greedy(profile, 2000)  # fits without checkpointing
         []
@@ -122,8 +122,8 @@ def minimum_peak_bytes(profile: Profile) -> int:
     """The lowest predicted peak (``fixed_bytes`` included) any candidate plan reaches.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> minimum_peak_bytes(Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=1))
         1090
     """

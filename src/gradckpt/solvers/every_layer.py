@@ -5,8 +5,8 @@ only each block's input, and the backward pass recomputes every block once, so t
 one full forward pass of the chain.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(3)]
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> blocks = [example_block(f"h.{i}") for i in range(3)]
     >>> solve_every_layer(Profile(blocks, 1160, 1000, 9.0), None)
     [Segment(start=0, end=0, children=[], policy=None), Segment(start=1, end=1, children=[], policy=None), Segment(start=2, end=2, children=[], policy=None)]
 """  # noqa: E501
@@ -23,8 +23,8 @@ def solve_every_layer(profile: Profile, budget_bytes: int | None) -> list[Segmen
     """One segment per block, whatever the budget (``solve`` checks whether the plan fits).
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> [(s.start, s.end) for s in solve_every_layer(Profile(blocks, 0, 0, 1.0), None)]
         [(0, 0), (1, 1), (2, 2), (3, 3)]
     """

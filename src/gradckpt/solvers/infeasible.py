@@ -13,8 +13,8 @@ train, the batch size, the optimizer, whether the loop holds the model's output)
 weights in bf16" for weights in bf16 already, no "a smaller batch" at batch 1.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> blocks = [example_block(f"h.{i}") for i in range(4)]
     >>> profile = Profile(blocks, 1500, 1000, 12.0, head_bytes=300)
     >>> print(budget_message("budget 1.10 KiB is below ...", explain_infeasible(
     ...     profile, [Segment(0, 3)])))  # doctest: +ELLIPSIS
@@ -72,8 +72,8 @@ def explain_infeasible(profile: Profile, least_segments: list[Segment]) -> str:
     (see the module): one paragraph, unwrapped.
 
     Example: full fine-tuning in bf16 with AdamW, where ``optimizer.step()`` peaks highest
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0, gradient_bytes=250)
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}", gradient_bytes=250)
         ...           for i in range(4)]
         >>> profile = Profile(blocks, 6000, 5000, 12.0, optimizer_state_bytes=4000,
         ...                   optimizer_step_bytes=1500, notes={

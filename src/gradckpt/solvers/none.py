@@ -3,8 +3,8 @@
 The baseline every other strategy is measured against: zero extra time, the full peak.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> profile = Profile([BlockProfile("h.0", 10, 10, 50, True, 1.0, 2.0)], 1060, 1000, 4.0)
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> profile = Profile([example_block("h.0")], 1060, 1000, 4.0)
     >>> solve_none(profile, None)
     []
 """

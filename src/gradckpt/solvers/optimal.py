@@ -50,8 +50,8 @@ reachable peak, the plan of least peak from an exact DP in bytes (``least_peak``
 always works.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> blocks = [example_block(f"h.{i}") for i in range(4)]
     >>> profile = Profile(blocks, peak_bytes=1210, fixed_bytes=1000, step_seconds=12.0)
     >>> [(s.start, s.end) for s in solve_optimal(profile, 1120)]  # one 2-block segment fits
     [(0, 1)]
@@ -99,8 +99,8 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
     when nothing fits, the plan with the lowest peak (``solve`` then raises ``BudgetError``).
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(6)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(6)]
         >>> profile = Profile(blocks, peak_bytes=1310, fixed_bytes=1000, step_seconds=18.0)
         >>> plan = solve_optimal(profile, 1150)
         >>> simulate(profile, plan)  # chain peak within the 150 bytes left, 4 s recomputed
@@ -141,8 +141,8 @@ def every_kth_block(profile: Profile) -> list[list[Segment]]:
     every-n-layers layouts.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(4)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(4)]
         >>> [[s.start for s in plan] for plan in every_kth_block(Profile(blocks, 0, 0, 1.0))]
         [[0, 1, 2, 3], [0, 2], [0, 3], [0]]
     """
@@ -158,9 +158,9 @@ def memory_unit_bytes(profile: Profile, room_bytes: int) -> int:
     finest units.
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10**6, 10**6, 5 * 10**6, True, 1.0, 2.0)
-        ...           for i in range(100)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}", input_bytes=10**6, output_bytes=10**6,
+        ...                         saved_bytes=5 * 10**6) for i in range(100)]
         >>> memory_unit_bytes(Profile(blocks, 0, 0, 1.0), 50 * 10**6)  # 1,176 levels of ~43 KB
         42518
     """

@@ -8,8 +8,8 @@ sqrt(n) instead of n, for one extra forward pass. The budget is ignored. A segme
 a chain break (``Profile.chain_breaks``: encoder to decoder) is cut there.
 
 Example:
-    >>> from gradckpt.profile_types import BlockProfile, Profile
-    >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(10)]
+    >>> from gradckpt.profile_types import Profile, example_block
+    >>> blocks = [example_block(f"h.{i}") for i in range(10)]
     >>> [(s.start, s.end) for s in solve_sqrt(Profile(blocks, 0, 0, 1.0), None)]
     [(0, 3), (4, 7), (8, 9)]
 """
@@ -28,8 +28,8 @@ def solve_sqrt(profile: Profile, budget_bytes: int | None) -> list[Segment]:
     """Consecutive segments of ``ceil(sqrt(n))`` blocks (the last one may be shorter).
 
     Example:
-        >>> from gradckpt.profile_types import BlockProfile, Profile
-        >>> blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(100)]
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(100)]
         >>> len(solve_sqrt(Profile(blocks, 0, 0, 1.0), None))  # 10 checkpoints for 100 blocks
         10
     """

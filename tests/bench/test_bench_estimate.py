@@ -5,7 +5,7 @@ Two families at their small size: every row is there (the plain step, 70% and 45
 solved from the estimate leave the gradients as the plain model's, the table and the verdict
 line print. How accurate the estimate is over every family and size is the benchmark's
 verdict, not this test's; on Llama and the CNN the plain step's bytes must be exact, as
-``tests/test_estimate.py`` also asserts.
+``tests/predict/test_predict_estimate.py`` also asserts.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "estimate_accuracy.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "estimate_accuracy.py"
 
 
 def run_script(*arguments: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_cli import error_lines, run_gradckpt
+from test_cli_commands import error_lines, run_gradckpt
 
 from gradckpt.cli import known_configs as known_configs_module
 from gradckpt.cli import main

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "compile.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compile.py"
 
 
 def test_quick_mode_prints_the_table_and_the_verdict() -> None:

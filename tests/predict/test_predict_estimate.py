@@ -149,7 +149,7 @@ def test_the_optimizer_state_is_in_the_peak_and_the_memory_is_broken_down() -> N
 
 def test_the_example_in_docs_estimate_runs() -> None:
     pytest.importorskip("transformers")
-    page = Path(__file__).resolve().parents[1] / "docs" / "estimate.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "estimate.md"
     block = page.read_text().split("```python\n")[1].split("```")[0]
     exec(compile(block, str(page), "exec"), {"__name__": "docs_example"})
 

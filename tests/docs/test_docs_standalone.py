@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Paths the pages name as text (`tests/test_meter.py`, docs/engine.md), besides their links.
+# Paths the pages name as text (`tests/measure/test_measure_meter.py`, docs/engine.md), besides
+# their links.
 NAMED_PATH = re.compile(r"(?<![\w/.-])((?:docs|tests|bench|src|\.ci)/[\w./-]*\w)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 README_RUNNABLE = re.compile(r"```python runnable\n(.*?)```", flags=re.DOTALL)

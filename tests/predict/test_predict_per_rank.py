@@ -17,7 +17,8 @@ so that what is measured is what FSDP2 itself holds. Where the peak is a block's
 ("llama", "lora", "llama-every-layer") it is the same either way (measured); in "wide-vocab"
 gloo's copy of the root's gradients makes the peak (24,258,980 bytes instead of 20,724,900).
 
-``python -m pytest -q tests/test_sharding_fsdp.py -s`` prints the figures docs/estimate.md quotes.
+``python -m pytest -q tests/predict/test_predict_per_rank.py -s`` prints the figures
+docs/estimate.md quotes.
 """
 
 from __future__ import annotations

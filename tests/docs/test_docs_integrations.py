@@ -17,7 +17,7 @@ from gradckpt.errors import forget_warnings
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
 # Scripts for several processes: run with torchrun, two processes on CPU.
 SCRIPTS = re.findall(r"```python torchrun\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
