@@ -1,7 +1,8 @@
 """Solvers: pure functions from a ``Profile`` and a budget to the segments of a plan.
 
 Each strategy is one module with one function ``(profile, budget_bytes) -> list[Segment]``; no
-torch inside, so each can be tested exhaustively. ``solve`` picks one by name, parses the budget,
+model, no device, no global state (``optimal`` uses torch tensors only as arrays), so each can
+be tested exhaustively against brute force. ``solve`` picks one by name, parses the budget,
 wraps the segments in a ``Plan`` (predictions from ``gradckpt.cost.simulate``) and raises
 ``BudgetError`` when the plan does not fit.
 
