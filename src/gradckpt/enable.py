@@ -118,8 +118,9 @@ def plan_and_apply(
 ) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``sample``, solve for ``budget``, apply the plan: ``enable``'s path.
 
-    The one path every entry that plans a model takes (``enable``, the Trainer callback, the
-    CLI), so that they plan the same step alike: the model is measured without any plan it
+    The one path every entry that plans and applies takes (``enable`` and the Trainer
+    callback; ``gradckpt plan`` only profiles and solves), so that they plan the same step
+    alike: the model is measured without any plan it
     carries, under ``torch.distributed`` rank 0 solves and every rank gets its plan
     (``distributed.agreed_on_every_rank``), and the plan replaces the old one; after any error
     the model is as it was, its earlier plan included. ``enable`` adds what a user calling it

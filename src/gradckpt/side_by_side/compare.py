@@ -27,10 +27,6 @@ from .step import (
 )
 from .timing import RatioStats, SideBySideTimes, time_side_by_side
 
-# ---------------------------------------------------------------------------------------------
-# All three, on plans
-# ---------------------------------------------------------------------------------------------
-
 
 @dataclass
 class Comparison:
