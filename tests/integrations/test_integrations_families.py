@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 import gradckpt
-from gradckpt.integrations.hf_families import FAMILIES, Family
+from gradckpt.integrations.hf_families import FAMILIES, Family, families, hf_model
 from gradckpt.side_by_side import compare_plans, plans_at_shares
 
 pytestmark = pytest.mark.slow
@@ -47,3 +47,11 @@ def test_plans_fit_and_are_predicted_on_each_family(family: Family) -> None:
         error = (plan.predicted_peak_bytes - peak) / peak
         assert abs(error) <= ALLOWANCE, (
             f"{where}: predicted {plan.predicted_peak_bytes}, measured {peak} ({error:+.2%})")
+
+
+def test_an_unknown_name_in_the_catalogue_is_a_clear_error() -> None:
+    with pytest.raises(gradckpt.UsageError, match=r"unknown model kind 'lama' \(known: gpt2, "
+                       r"llama.*did you mean 'llama'\?"):
+        hf_model("lama")
+    with pytest.raises(ValueError, match="unknown family gpt5; known: gpt2, llama"):
+        families("llama,gpt5")

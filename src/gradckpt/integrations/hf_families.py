@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UsageError, did_you_mean
 from .hf import turn_caches_off
 
 __all__ = [
@@ -195,7 +196,14 @@ def hf_model(kind: str, **config: Any) -> nn.Module:
         0.1
         >>> hf_model("t5", num_layers=1, num_decoder_layers=1).config.d_model
         64
+        >>> hf_model("lama")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: unknown model kind 'lama' (known: gpt2, llama, ...); did you ...
     """
+    if kind not in HF_MODELS:
+        raise UsageError(f"unknown model kind {kind!r} (known: {', '.join(HF_MODELS)})"
+                         f"{did_you_mean(kind, HF_MODELS)}")
     model_class, config_class, sizes = HF_MODELS[kind]
     t = _transformers()
     return getattr(t, model_class)(getattr(t, config_class)(**sizes | config))
