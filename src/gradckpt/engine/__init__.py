@@ -46,6 +46,17 @@ R5. Recomputation raises ``_RecomputationComplete`` the moment the last slot is 
 # tensors apart exactly as the engine does. Later stages import these from here, never the
 # engine's underscore names, so that the engine's insides can change without them.
 from .ambient import AutocastSnapshot, RngSnapshot
+from .chunked_head import (
+    AUTO,
+    HeadChunking,
+    chunk_head,
+    default_head_chunks,
+    head_chunks_forced,
+    heads_called,
+    linear_cross_entropy,
+    planned_head_chunks,
+    vocabulary_size,
+)
 from .debug import debug_mode
 from .fates import Fate, Policy, PolicyLike, is_matmul_or_attention, offload_matmuls, save_matmuls
 from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
@@ -64,6 +75,7 @@ __all__ = [
     "Fate",
     "save_matmuls",
     "offload_matmuls",
+    "linear_cross_entropy",
     # internal interface for gradckpt's own stages
     "AutocastSnapshot",
     "RngSnapshot",
@@ -77,4 +89,12 @@ __all__ = [
     "Policy",
     "PolicyLike",
     "is_matmul_or_attention",
+    "AUTO",
+    "HeadChunking",
+    "chunk_head",
+    "default_head_chunks",
+    "head_chunks_forced",
+    "heads_called",
+    "planned_head_chunks",
+    "vocabulary_size",
 ]
