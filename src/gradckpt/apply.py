@@ -21,7 +21,7 @@ from torch import nn
 
 from .budget_watch import watch_budget
 from .ecosystem_hooks import Occasion, run_ecosystem_hooks
-from .engine import SegmentsHandle, checkpoint_segments
+from .engine import HeadChunking, SegmentsHandle, checkpoint_segments, chunk_head
 from .errors import UsageError
 from .measure import resolve_blocks
 from .plan import Plan, Segment
@@ -31,12 +31,14 @@ __all__ = ["apply", "disable", "get_plan", "replacing_plan"]
 
 class _Installed(NamedTuple):
     """What ``apply`` installed on a model: the plan, the segments' hooks (None for a plan
-    without segments) and how to undo the ecosystem hooks."""
+    without segments), the output head's chunking (None: the plain head) and how to undo the
+    ecosystem hooks."""
 
     plan: Plan
     handle: SegmentsHandle | None
     undo_ecosystem_hooks: Callable[[], None]
     unwatch: Callable[[], None]
+    head: HeadChunking | None = None
 
 
 # What apply() installed on each model, so that disable(), get_plan() and a second apply()
@@ -68,6 +70,7 @@ def apply(model: nn.Module, plan: Plan) -> None:
             f"this plan was made for another model: its blocks are not all in "
             f"{type(model).__name__} ({error})"
         ) from None
+    head = _planned_head(model, plan)
     flat = _flatten(plan.segments)
     for segment in flat:
         if segment.policy is not None and segment.children:
@@ -106,8 +109,12 @@ def apply(model: nn.Module, plan: Plan) -> None:
         if handle is not None:  # all or nothing: no hooks without their record
             handle.remove()
         raise
+    # The loss in chunks (gradckpt.linear_cross_entropy reads it; integrations.hf routes a
+    # causal language model's loss through it in training steps with labels).
+    chunking = chunk_head(head, plan.head_chunks) if head is not None else None
     # On CUDA, the first training steps are checked against the budget (budget_watch).
-    _installed[model] = _Installed(plan, handle, undo_ecosystem_hooks, watch_budget(model, plan))
+    _installed[model] = _Installed(plan, handle, undo_ecosystem_hooks, watch_budget(model, plan),
+                                   chunking)
 
 
 def disable(model: nn.Module) -> None:
@@ -126,6 +133,8 @@ def disable(model: nn.Module) -> None:
             installed.handle.remove()
         installed.undo_ecosystem_hooks()
         installed.unwatch()
+        if installed.head is not None:
+            installed.head.remove()
 
 
 def get_plan(model: nn.Module) -> Plan | None:
@@ -193,6 +202,19 @@ def _planned_models_sharing(model: nn.Module) -> list[nn.Module]:
         planned for planned in list(_installed)
         if planned in inside or any(module is model for module in planned.modules())
     ]
+
+
+def _planned_head(model: nn.Module, plan: Plan) -> nn.Module | None:
+    """The module whose loss the plan computes in chunks (None: the plain head)."""
+    if plan.head_chunks <= 1:
+        return None
+    modules = dict(model.named_modules())
+    if plan.head_name not in modules:
+        raise UsageError(
+            f"this plan was made for another model: it chunks the loss at output head "
+            f"{plan.head_name!r}, which {type(model).__name__} does not have"
+        )
+    return modules[plan.head_name]
 
 
 def _flatten(segments: list[Segment]) -> list[Segment]:

@@ -56,13 +56,19 @@ from .errors import UsageError
 from .plan import Plan, Segment
 from .profile_types import Profile
 
-__all__ = ["simulate", "phase_peaks", "plan_for", "gradients_after", "side_inputs_held"]
+__all__ = [
+    "simulate", "phase_peaks", "plan_for", "as_chunked", "as_planned", "gradients_after",
+    "side_inputs_held",
+]
 
 
 def plan_for(
-    profile: Profile, strategy: str, budget_bytes: int | None, segments: list[Segment]
+    profile: Profile, strategy: str, budget_bytes: int | None, segments: list[Segment],
+    head_chunks: int = 1,
 ) -> Plan:
-    """Wrap segments into a ``Plan`` with the predictions ``simulate`` makes for them.
+    """Wrap segments into a ``Plan`` with the predictions ``simulate`` makes for them; with
+    ``head_chunks`` above 1, for the step whose head's loss runs in that many chunks
+    (``profile.chunked_head(head_chunks)``: its memory, and its extra time added).
 
     Example:
         >>> from gradckpt.profile_types import Profile, example_block
@@ -70,7 +76,10 @@ def plan_for(
         >>> plan_for(profile, "every-layer", None, [Segment(0, 0)]).predicted_overhead
         0.25
     """
-    chain_peak, extra_seconds = simulate(profile, segments)
+    step = as_chunked(profile, head_chunks)
+    chain_peak, extra_seconds = simulate(step, segments)
+    if head_chunks > 1:
+        extra_seconds += profile.chunked_head(head_chunks).extra_seconds
     return Plan(
         strategy=strategy,
         budget_bytes=budget_bytes,
@@ -80,7 +89,26 @@ def plan_for(
         predicted_overhead=extra_seconds / profile.step_seconds if profile.step_seconds else 0.0,
         block_names=[block.name for block in profile.blocks],
         estimated_for=profile.notes.get("estimated_for"),
+        head_name=profile.chunked_heads[0].name if profile.chunked_heads else None,
+        head_chunks=head_chunks,
     )
+
+
+def as_planned(profile: Profile, plan: Plan) -> Profile:
+    """The profile of the step ``plan`` runs: with its head in chunks when the plan chose so.
+
+    Example:
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> profile = Profile([example_block()], 1050, 1000, 4.0)
+        >>> as_planned(profile, plan_for(profile, "none", None, [])) is profile
+        True
+    """
+    return as_chunked(profile, plan.head_chunks)
+
+
+def as_chunked(profile: Profile, head_chunks: int) -> Profile:
+    """The profile of the step whose head's loss runs in ``head_chunks`` pieces (1: itself)."""
+    return profile.with_chunked_head(head_chunks) if head_chunks > 1 else profile
 
 
 # The step's phases, in order; its peak is the highest of them.

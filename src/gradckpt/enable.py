@@ -29,7 +29,7 @@ from .measure.optimizer_step import check_optimizer
 from .measure.training_state import optimizer_state_bytes
 from .plan import Plan
 from .profile_types import Profile
-from .solvers import BUDGET_DRIVEN, STRATEGIES, solve
+from .solvers import BUDGET_DRIVEN, OUTPUT_HEADS, STRATEGIES, solve
 
 __all__ = ["check_request", "enable", "plan_and_apply"]
 
@@ -45,6 +45,7 @@ def enable(
     optimizer: torch.optim.Optimizer | str | None = None,
     accumulation_steps: int = 1,
     keep_output: bool = True,
+    output_head: str = "auto",
 ) -> Plan:
     """Checkpoint ``model`` so that the training step on batches like ``sample`` fits ``budget``.
 
@@ -69,6 +70,13 @@ def enable(
         keep_output: the loop holds the model's output until backward ends (``out =
             model(**batch); out.loss.backward()``); ``False`` for loops that drop it first
             (the Hugging Face Trainer).
+        output_head: what the plan may do with a language model's output head (its loss
+            through ``gradckpt.linear_cross_entropy``, as a Hugging Face causal language model
+            given ``labels`` has it): ``"auto"`` (default) computes the loss in chunks of
+            tokens, each chunk's logits recomputed in backward, when that fits where the plain
+            head does not or fits faster; the output's ``logits`` are then an empty
+            ``(batch, seq, 0)`` tensor in training steps. ``"plain"`` keeps the logits whole
+            (a loop that reads them), ``"chunked"`` always chunks.
 
     Returns the plan applied. When the model fits without checkpointing the plan is empty and
     the model runs exactly as before.
@@ -94,12 +102,12 @@ def enable(
         True
         >>> gradckpt.disable(model)
     """
-    check_request(budget, strategy)  # a bad request is refused before any warning
+    check_request(budget, strategy, output_head)  # a bad request is refused before any warning
     if optimizer is None:  # "none": no optimizer step, and no warning
         _warn_without_optimizer(model)
     plan, _ = plan_and_apply(model, sample, budget, strategy, loss_fn, blocks,
                              optimizer=optimizer, accumulation_steps=accumulation_steps,
-                             keep_output=keep_output)
+                             keep_output=keep_output, output_head=output_head)
     return plan
 
 
@@ -114,6 +122,7 @@ def plan_and_apply(
     optimizer: torch.optim.Optimizer | str | None,
     accumulation_steps: int = 1,
     keep_output: bool = True,
+    output_head: str = "auto",
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``sample``, solve for ``budget``, apply the plan: ``enable``'s path.
@@ -128,9 +137,9 @@ def plan_and_apply(
     fixes and translate errors into their own terms.
 
     Args:
-        model, sample, budget, strategy, loss_fn, blocks, accumulation_steps, keep_output: as
-            for ``enable`` (``keep_output=False``: the Trainer's loop, which drops the output
-            before backward).
+        model, sample, budget, strategy, loss_fn, blocks, accumulation_steps, keep_output,
+            output_head: as for ``enable`` (``keep_output=False``: the Trainer's loop, which
+            drops the output before backward).
         optimizer: as for ``enable``, without its default: ``None`` counts no optimizer step
             and warns of nothing.
         progress: called as ``progress(done, total)`` while profiling, as for ``profile``.
@@ -152,7 +161,7 @@ def plan_and_apply(
         True
         >>> gradckpt.disable(model)
     """
-    check_request(budget, strategy)
+    check_request(budget, strategy, output_head)
     optimizer = check_optimizer(optimizer)  # a misspelt name is told before anything runs
     # Measured as the model is without a plan; any plan it had comes back if anything fails.
     with replacing_plan(model):
@@ -160,15 +169,17 @@ def plan_and_apply(
                            accumulation_steps=accumulation_steps, keep_output=keep_output,
                            progress=progress)
         # solve reads a percentage of the measured step and "auto" on the model's device.
-        plan = agreed_on_every_rank(lambda: solve(measured, budget, strategy))
+        plan = agreed_on_every_rank(
+            lambda: solve(measured, budget, strategy, output_head=output_head))
         apply(model, plan)
     return plan, measured
 
 
-def check_request(budget: int | str | None, strategy: str) -> None:
+def check_request(budget: int | str | None, strategy: str, output_head: str = "auto") -> None:
     """Raise ``UsageError`` for a strategy gradckpt lacks, for ``budget=None`` with a strategy
-    that needs a budget, or for a budget ``parse_budget`` cannot read; nothing is measured, so
-    a percentage and ``"auto"`` are read later, by ``solve``.
+    that needs a budget, for a budget ``parse_budget`` cannot read, or for an ``output_head``
+    other than ``OUTPUT_HEADS``; nothing is measured, so a percentage and ``"auto"`` are read
+    later, by ``solve``.
 
     Example:
         >>> check_request("60%", "optimal"), check_request(None, "sqrt")
@@ -181,6 +192,9 @@ def check_request(budget: int | str | None, strategy: str) -> None:
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; valid strategies: "
                          f"{', '.join(STRATEGIES)}")
+    if output_head not in OUTPUT_HEADS:
+        raise UsageError(f"unknown output_head {output_head!r}; valid: "
+                         f"{', '.join(map(repr, OUTPUT_HEADS))}")
     if budget is None:  # the fixed strategies' plan, whatever it costs
         if strategy in BUDGET_DRIVEN:
             raise UsageError(

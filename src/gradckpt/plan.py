@@ -27,7 +27,7 @@ from .errors import UsageError
 from .profile_types import Profile
 from .tables import format_table
 
-__all__ = ["Segment", "Plan", "plan_table", "plan_summary", "split_at_chain_breaks"]
+__all__ = ["Segment", "Plan", "head_fate", "plan_table", "plan_summary", "split_at_chain_breaks"]
 
 
 @dataclass
@@ -57,6 +57,10 @@ class Plan:
       checkpointing (0.25 = 25% slower).
     - ``estimated_for``: the device a plan solved from ``gradckpt.estimate`` was predicted
       for (``"h100-80gb"``); None when the profile was measured.
+    - ``head_name``: the output head the profile found a chunked loss for (``"lm_head"``),
+      None when it found none; ``head_chunks``: how many pieces of tokens the plan computes
+      that head and its loss in, each recomputed in backward (1: the plain head, the logits
+      whole).
     """
 
     strategy: str
@@ -69,6 +73,8 @@ class Plan:
     # The device whose profile the predictions come from: the preset or "this" an estimate was
     # made for (gradckpt.estimate), None for a profile measured here.
     estimated_for: str | None = None
+    head_name: str | None = None
+    head_chunks: int = 1
 
     def to_json(self) -> str:
         """The plan as a JSON string (``Plan.from_json`` reads it back)."""
@@ -151,8 +157,25 @@ def plan_table(plan: Plan) -> str:
                 where += " (its input kept)"
             fates[index] = (f"{fates[index]}; " if depth else "recomputed: ") + where
     rows = [[name, fates[index]] for index, name in enumerate(plan.block_names)]
+    if plan.head_name is not None:
+        rows.append([f"{plan.head_name} (output head)", head_fate(plan)])
     table = format_table(["block", "what happens to its activations"], rows, align="ll")
     return f"{table}\n{plan_summary(plan)}"
+
+
+def head_fate(plan: Plan) -> str:
+    """What happens to the output head's logits under the plan, in words.
+
+    Example:
+        >>> plan = Plan("optimal", None, [], 0, 0.0, 0.0, ["h.0"], head_name="lm_head",
+        ...             head_chunks=16)
+        >>> head_fate(plan)
+        'recomputed: loss in 16 chunks of tokens, one chunk of logits at a time'
+    """
+    if plan.head_chunks > 1:
+        return (f"recomputed: loss in {plan.head_chunks} chunks of tokens, one chunk of logits "
+                "at a time")
+    return "kept: the logits whole"
 
 
 def plan_summary(plan: Plan) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["PLANNED_POLICY", "BlockProfile", "Profile", "example_block"]
+__all__ = ["PLANNED_POLICY", "BlockProfile", "ChunkedHead", "Profile", "example_block"]
 
 
 PLANNED_POLICY = "save-matmuls"  # a preset of gradckpt.engine.fates
@@ -175,6 +175,32 @@ class BlockProfile:
 
 
 @dataclass
+class ChunkedHead:
+    """The step measured again with its output head and loss in chunks of tokens
+    (``gradckpt.linear_cross_entropy``: each chunk's logits made in forward, freed, made again
+    in backward), what a plan may choose instead of the plain head. The fields are the
+    ``Profile`` fields of the same names for that step (its other fields do not change), plus:
+
+    - ``name``: the head module's qualified name in the model (``"lm_head"``).
+    - ``chunks``: how many pieces the tokens are cut into.
+    - ``extra_seconds``: how much longer the head and loss take, forward and backward, than
+      the plain head's: the head's forward again, and a little per chunk (timed side by side
+      with the plain head in the same steps for the fewest and the most chunks measured,
+      in proportion to the chunk count in between).
+    """
+
+    name: str
+    chunks: int
+    head_bytes: int
+    head_gradient_bytes: int
+    other_peak_bytes: int
+    optimizer_step_bytes: int
+    previous_output_bytes: int
+    peak_bytes: int
+    extra_seconds: float
+
+
+@dataclass
 class Profile:
     """A model's chain of blocks plus the step around it.
 
@@ -213,6 +239,11 @@ class Profile:
     - ``previous_output_bytes``: the previous step's output, which a loop writing
       ``out = model(**batch)`` holds until the model returns the next one: alive through
       the chain's forward and the head's (0 with ``keep_output=False``).
+    - ``chunked_heads``: the step with its output head and loss in chunks, measured for a few
+      chunk counts (``ChunkedHead``, fewest chunks first), when the loss runs through
+      ``gradckpt.linear_cross_entropy`` (a Hugging Face causal language model's does, given
+      ``labels``); empty when it cannot (``notes["chunked_head"]`` says why).
+      ``with_chunked_head(chunks)`` is the profile of that step.
     """
 
     blocks: list[BlockProfile]
@@ -230,6 +261,55 @@ class Profile:
     accumulated_gradient_bytes: int = 0
     optimizer_step_bytes: int = 0
     previous_output_bytes: int = 0
+    chunked_heads: list[ChunkedHead] = field(default_factory=list)
+
+    def chunked_head(self, chunks: int) -> ChunkedHead:
+        """The measured step with the head's loss in ``chunks`` pieces (``chunked_heads``).
+
+        Example:
+            >>> head = ChunkedHead("lm_head", 8, head_bytes=40, head_gradient_bytes=0,
+            ...                    other_peak_bytes=0, optimizer_step_bytes=0,
+            ...                    previous_output_bytes=0, peak_bytes=1100, extra_seconds=0.5)
+            >>> profile = Profile([example_block()], 1500, 1000, 4.0, chunked_heads=[head])
+            >>> profile.chunked_head(8).head_bytes
+            40
+            >>> profile.chunked_head(4)
+            Traceback (most recent call last):
+            ...
+            gradckpt.errors.UsageError: this profile measured the head's loss in 8 chunks, ...
+        """
+        for head in self.chunked_heads:
+            if head.chunks == chunks:
+                return head
+        if not self.chunked_heads:
+            raise UsageError("this profile has no chunked head: "
+                             f"{self.notes.get('chunked_head', 'not measured')}")
+        measured = ", ".join(str(head.chunks) for head in self.chunked_heads)
+        raise UsageError(f"this profile measured the head's loss in {measured} chunks, not "
+                         f"{chunks}; plan with one of those")
+
+    def with_chunked_head(self, chunks: int) -> Profile:
+        """This profile as the step with its head's loss in ``chunks`` pieces: the head's, the
+        step's outside parts and the output's bytes replaced by that step's measured ones
+        (``chunked_head(chunks)``), the chain's the same. The solvers take it like any
+        profile; the head's extra time is not in it (``gradckpt.cost.plan_for`` adds it).
+
+        Example:
+            >>> head = ChunkedHead("lm_head", 8, head_bytes=40, head_gradient_bytes=0,
+            ...                    other_peak_bytes=0, optimizer_step_bytes=0,
+            ...                    previous_output_bytes=0, peak_bytes=1100, extra_seconds=0.5)
+            >>> profile = Profile([example_block()], 1500, 1000, 4.0, head_bytes=400,
+            ...                   chunked_heads=[head])
+            >>> profile.with_chunked_head(8).head_bytes
+            40
+        """
+        head = self.chunked_head(chunks)
+        return dataclasses.replace(
+            self, head_bytes=head.head_bytes, head_gradient_bytes=head.head_gradient_bytes,
+            other_peak_bytes=head.other_peak_bytes,
+            optimizer_step_bytes=head.optimizer_step_bytes,
+            previous_output_bytes=head.previous_output_bytes, peak_bytes=head.peak_bytes,
+        )
 
     def segment_end_limit(self, start: int) -> int:
         """The last block a segment starting at block ``start`` may reach: the one before the
@@ -300,6 +380,14 @@ class Profile:
             if getattr(self, name) < 0:
                 raise UsageError(f"profile {name} is negative ({getattr(self, name)}); fix the "
                                  "profile or re-measure it with gradckpt.profile")
+        for head in self.chunked_heads:
+            if head.chunks < 2 or min(
+                    head.head_bytes, head.head_gradient_bytes, head.other_peak_bytes,
+                    head.optimizer_step_bytes, head.previous_output_bytes, head.peak_bytes,
+                    head.extra_seconds) < 0:
+                raise UsageError(f"profile chunked_heads has a negative number or fewer than "
+                                 f"2 chunks ({head}); fix the profile or re-measure it with "
+                                 "gradckpt.profile")
         if any(not 0 < index < len(self.blocks) for index in self.chain_breaks):
             raise UsageError(f"profile chain_breaks {self.chain_breaks} must be block indices "
                              f"1..{len(self.blocks) - 1}; fix the profile or re-measure it with "
@@ -320,7 +408,8 @@ class Profile:
         try:
             data = json.loads(text)
             blocks = [BlockProfile(**block) for block in data.pop("blocks")]
-            return cls(blocks=blocks, **data)
+            heads = [ChunkedHead(**head) for head in data.pop("chunked_heads", [])]
+            return cls(blocks=blocks, chunked_heads=heads, **data)
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise UsageError(
                 f"not a gradckpt profile (JSON from Profile.to_json()): {error}"

@@ -123,7 +123,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             keep_output=not args.drop_output, world_size=args.world_size, progress=report,
         )
     with explained_for_the_command_line():  # "auto": the target's memory (solve reads it)
-        plan = gradckpt.solve(profile, args.budget, args.strategy)
+        plan = gradckpt.solve(profile, args.budget, args.strategy,
+                              output_head=args.output_head)
     memory = memory_parts(target.model, profile, plan, optimizer=optimizer)
     parts = dict(memory.parts)
     largest = max(parts, key=parts.get)

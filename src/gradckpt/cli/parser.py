@@ -258,7 +258,8 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         "--budget",
         help="peak memory of a training step: 6GiB, 512MiB, 6GB, 60%% (of the peak without "
         "checkpointing) or auto (what the device has free; with --estimate, what the target "
-        "device has for the peak); needed by the optimal and chen-greedy strategies",
+        "device has for the peak, the default there); needed by the optimal and chen-greedy "
+        "strategies",
     )
     plan.add_argument(
         "--strategy",
@@ -286,6 +287,15 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         help="the training loop drops the model's output before backward, as the Hugging Face "
         "Trainer does; by default it is held through backward (out = model(**batch); "
         "out.loss.backward()), which for a language model keeps the logits alive",
+    )
+    plan.add_argument(
+        "--output-head",
+        choices=["auto", "plain", "chunked"],
+        default="auto",
+        help="what the plan may do with a language model's output head: auto (default: compute "
+        "the loss in chunks of tokens, recomputing each chunk's logits in backward, when that "
+        "fits where the plain head does not, or fits faster), plain (never: the output's "
+        "logits stay whole), chunked (always)",
     )
     plan.add_argument(
         "--json",

@@ -62,7 +62,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                optimizer=optimizer)
     optimizer_bytes = profile.optimizer_state_bytes
     with explained_for_the_command_line():  # a percentage of the whole step, "auto" here
-        plan = solve(profile, args.budget, args.strategy)
+        plan = solve(profile, args.budget, args.strategy, output_head=args.output_head)
 
     names = [block.name for block in profile.blocks]
     print(
@@ -122,6 +122,8 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError(
             f"unknown strategy {args.strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
         )
+    if args.budget is None and args.strategy in BUDGET_DRIVEN and args.estimate:
+        args.budget = "auto"  # what the target device has for the step
     if args.budget is None and args.strategy in BUDGET_DRIVEN:
         raise CommandLineError(
             f"strategy {args.strategy} chooses its plan for a budget: pass --budget (6GiB, "

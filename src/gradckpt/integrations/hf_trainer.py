@@ -58,6 +58,10 @@ class GradckptCallback(transformers.TrainerCallback):
             ``output.loss``, as the Trainer uses it.
         blocks: the chain of blocks to checkpoint, as for ``gradckpt.profile``; default: found
             in the model (``gradckpt.find_blocks``).
+        output_head: as for ``gradckpt.enable``: ``"auto"`` (default) lets the plan compute a
+            causal language model's loss in chunks of tokens (``out.logits`` is then empty in
+            training steps; evaluation is unchanged), ``"plain"`` rules that out (a
+            ``compute_loss`` or callback that reads the logits), ``"chunked"`` always does it.
 
     When training begins (``on_train_begin``) the callback:
 
@@ -124,13 +128,17 @@ class GradckptCallback(transformers.TrainerCallback):
         max_length: int | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         blocks: Any = None,
+        output_head: str = "auto",
     ) -> None:
         try:
-            check_request(budget, strategy)  # "auto" and percentages are read when planning
+            # "auto" and percentages are read when planning
+            check_request(budget, strategy, output_head)
         except UsageError as error:
             given = f"budget={budget!r}"
             if strategy != "optimal":
                 given += f", strategy={strategy!r}"
+            if output_head != "auto":
+                given += f", output_head={output_head!r}"
             raise UsageError(f"GradckptCallback({given}): {error}") from None
         if max_length is not None and (
             isinstance(max_length, bool)
@@ -147,6 +155,7 @@ class GradckptCallback(transformers.TrainerCallback):
         self.max_length = max_length
         self.loss_fn = loss_fn
         self.blocks = blocks
+        self.output_head = output_head
         self.plan: Plan | None = None
         self.profile: Profile | None = None
         self.reserved_bytes: int | None = None
@@ -179,6 +188,7 @@ class GradckptCallback(transformers.TrainerCallback):
                     model, sample, self.budget, self.strategy, self.loss_fn, self.blocks,
                     optimizer=_optimizer_for(optimizer, args),
                     accumulation_steps=args.gradient_accumulation_steps, keep_output=False,
+                    output_head=self.output_head,
                 )
         except BudgetError as error:
             raise self._with_a_budget_that_fits(error) from None
@@ -264,8 +274,9 @@ def plan_summary(plan: Plan, measured: Profile, budget: int | str | None) -> str
         ('95%'), 1.18 KiB without checkpointing; +16.6% time per step
     """
     recomputed = len({index for segment in plan.segments for index in segment.blocks()})
+    head = f" and the loss in {plan.head_chunks} chunks" if plan.head_chunks > 1 else ""
     return (
-        f"plan {plan.strategy} recomputes {recomputed} of {len(measured.blocks)} blocks: "
+        f"plan {plan.strategy} recomputes {recomputed} of {len(measured.blocks)} blocks{head}: "
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, budget "
         f"{_budget_text(budget, plan.budget_bytes)}, {format_bytes(measured.peak_bytes)} "
         f"without checkpointing; +{100 * plan.predicted_overhead:.1f}% time per step"

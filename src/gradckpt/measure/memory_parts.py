@@ -72,6 +72,7 @@ class SolvedPlan(Protocol):
 
     segments: Sequence[Any]
     predicted_peak_bytes: int
+    head_chunks: int
 
 
 def memory_parts(
@@ -132,6 +133,11 @@ def memory_parts(
     renamed = {ACTIVATIONS: PLAN_ACTIVATIONS, OPTIMIZER_STATE: optimizer_state_label(optimizer)}
     named = {renamed.get(name, name): size for name, size in parts.items()}
     named[PLAN_ACTIVATIONS] = retained_activation_bytes(profile, plan)  # in the step's place
+    if plan.head_chunks > 1:  # one chunk's logits at a time
+        head = profile.chunked_head(plan.head_chunks)
+        # Its weight's gradient is alive through the chunked head's whole part of the step,
+        # and among the gradients above already: the rest is the logits, loss and theirs.
+        named[OUTPUT_HEAD] = head.head_bytes - head.head_gradient_bytes
     inside_bytes = sum(size for name, size in named.items() if name not in outside)
     named[THE_REST] = plan.predicted_peak_bytes - inside_bytes
     parts_of_plan = [(name, size) for name, size in named.items() if size > 0]

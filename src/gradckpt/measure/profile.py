@@ -40,15 +40,16 @@ import torch
 from torch import nn
 
 from ..ecosystem_hooks import ecosystem_hooks_on
-from ..engine import first_tensor, plans_suspended, storage_key
+from ..engine import first_tensor, heads_called, plans_suspended, storage_key
 from ..errors import UsageError
-from ..profile_types import BlockProfile, Profile
+from ..profile_types import BlockProfile, ChunkedHead, Profile
 from . import clock
 from .chain import resolve_blocks
 from .device import infer_device
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .one_block import measure_block
 from .optimizer_step import OptimizerStep, check_optimizer, measure_optimizer_step
+from .output_head import HeadMeasurement, head_to_chunk, measure_chunked_head
 from .recording import Recording, record_block_calls
 from .side_inputs import with_side_inputs
 from .step import OutputHolder, training_step
@@ -146,8 +147,11 @@ def profile(
 
         # Where the model checkpoints itself with torch.utils.checkpoint, warn about the silent
         # failures that can hide there (double checkpointing, frozen inputs, RNG not replayed).
-        with torch_checkpoints_watched(named_blocks):
+        with torch_checkpoints_watched(named_blocks), heads_called() as heads:
             recording = record_block_calls(model, sample, loss_fn, modules)
+        head = head_to_chunk(model, heads)
+        if not isinstance(head, str):  # its check's 2 steps; the rest once the counts are known
+            steps += 2
         if recording.order != list(range(len(modules))):
             ran = [named_blocks[index][0] for index in recording.order]
             if blocks is not None:
@@ -163,11 +167,18 @@ def profile(
         chain_breaks = recording.chain_breaks()
         out = OutputHolder()  # the loop's ``out``, from one step to the next
 
-        def step() -> None:
+        def step() -> torch.Tensor:
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
             model.zero_grad(set_to_none=True)
-            training_step(model, sample, loss_fn, keep_output, out)
+            loss = training_step(model, sample, loss_fn, keep_output, out)
             advance()
+            return loss
+
+        def output_bytes() -> int:
+            return _distinct_bytes(tensors_in(out.output), model_storages | sample_storages)
+
+        def tracked() -> list[Any]:
+            return [model, *tensors_in(sample), *tensors_in(out.output)]
 
         if warm_up:
             step()  # lazy initialisations, allocator caches
@@ -184,11 +195,17 @@ def profile(
         model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
         model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         sample_storages = {storage_key(tensor) for tensor in tensors_in(sample)}
-        previous_output_bytes = _distinct_bytes(tensors_in(out.output),
-                                                model_storages | sample_storages)
+        previous_output_bytes = output_bytes()
         # The previous output is let go when the step's forward returns, as in the loop:
         # nothing but ``out`` may hold it (measure() empties its list).
-        memory.measure(step, [model, *tensors_in(sample), *tensors_in(out.output)])
+        memory.measure(step, tracked())
+        if not isinstance(head, str):
+            def expect(more_steps: int) -> None:
+                nonlocal steps
+                steps += more_steps
+
+            head = measure_chunked_head(model, head, step, output_bytes, tracked,
+                                        (modules[0], modules[-1]), device, repeats, expect)
         out.output = None
         optimizer_step = measure_optimizer_step(
             optimizer, model, clock.modeled_device_kind() or device)
@@ -226,9 +243,31 @@ def profile(
         sum(between[1:]) + output_held_bytes, _input_is_the_samples(recording, sample),
         previous_output_bytes,
     )
-    return _steady_state(
-        assembled, memory, optimizer_step,
-        accumulated_gradient_bytes(model, accumulation_steps), model, sample, keep_output,
+    accumulated = accumulated_gradient_bytes(model, accumulation_steps)
+    plain = _steady_state(assembled, memory, optimizer_step, accumulated, model, sample,
+                          keep_output)
+    if isinstance(head, str):
+        plain.notes["chunked_head"] = head
+        return plain
+    for chunked in head:
+        step = _steady_state(
+            _assemble(measured, chunked.memory, step_seconds, device, chain_breaks,
+                      sum(between[1:]) + output_held_bytes, plain.chain_input_fixed,
+                      chunked.previous_output_bytes),
+            chunked.memory, optimizer_step, accumulated, model, sample, keep_output,
+        )
+        plain.chunked_heads.append(_chunked_head(chunked, step))
+    return plain
+
+
+def _chunked_head(head: HeadMeasurement, step: Profile) -> ChunkedHead:
+    """What a plan choosing the chunked head changes: its step's profile where it differs."""
+    return ChunkedHead(
+        name=head.name, chunks=head.chunks, head_bytes=step.head_bytes,
+        head_gradient_bytes=step.head_gradient_bytes, other_peak_bytes=step.other_peak_bytes,
+        optimizer_step_bytes=step.optimizer_step_bytes,
+        previous_output_bytes=step.previous_output_bytes, peak_bytes=step.peak_bytes,
+        extra_seconds=head.extra_seconds,
     )
 
 

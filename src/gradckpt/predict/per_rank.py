@@ -53,7 +53,7 @@ from ..measure.memory_parts import (
     OPTIMIZER_STATE,
     PARAMETERS,
 )
-from ..profile_types import BlockProfile, Profile
+from ..profile_types import BlockProfile, ChunkedHead, Profile
 
 __all__ = ["BLOCK_PARAMETERS", "shard"]
 
@@ -125,8 +125,33 @@ def shard(predicted: Profile, world_size: int) -> Profile:
         notes={**predicted.notes, "memory_parts": parts, "world_size": world_size,
                "largest_part": max(parts, key=parts.get)},
     )
+    sharded.chunked_heads = [
+        _sharded_head(head, predicted, sharded, gathered[-1] if gathered else 0, keep)
+        for head in predicted.chunked_heads
+    ]
     sharded.peak_bytes = plan_for(sharded, "none", None, []).predicted_peak_bytes
+    for head in sharded.chunked_heads:
+        head.peak_bytes = plan_for(sharded, "none", None, [],
+                                   head_chunks=head.chunks).predicted_peak_bytes
     return sharded
+
+
+def _sharded_head(
+    head: ChunkedHead, predicted: Profile, sharded: Profile, last_gathered: int, keep: float
+) -> ChunkedHead:
+    """The step with its head in chunks, on one rank: as the plain step's numbers are sharded
+    (the last block's all-gather buffer through the head, optimizer.step() on the shards, the
+    output the rank's own); the part outside the chain lower than the sharded plain one's by
+    what the chunked step's is lower (the logits the output no longer holds)."""
+    held_output = head.previous_output_bytes
+    return dataclasses.replace(
+        head,
+        head_bytes=head.head_bytes + last_gathered,
+        optimizer_step_bytes=int(max(0, head.optimizer_step_bytes - held_output) * keep)
+        + min(held_output, head.optimizer_step_bytes),
+        other_peak_bytes=max(0, sharded.other_peak_bytes
+                             - (predicted.other_peak_bytes - head.other_peak_bytes)),
+    )
 
 
 def _gathered_per_block(predicted: Profile) -> list[int]:

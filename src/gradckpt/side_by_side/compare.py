@@ -43,6 +43,13 @@ class Comparison:
             raise ValueError("gradients were not compared (check_gradients=False)")
         return self.gradients.identical(name)
 
+    def largest_difference(self, name: str) -> float:
+        """``name``'s largest difference from the reference's loss and gradients, relative to
+        each tensor's largest magnitude (``GradientCheck.largest_difference``)."""
+        if self.gradients is None:
+            raise ValueError("gradients were not compared (check_gradients=False)")
+        return self.gradients.largest_difference[name]
+
     def time_ratio(self, name: str) -> RatioStats | None:
         """``name``'s step time over the reference's, per round, summarized."""
         return None if self.times is None else self.times.ratio_stats(name)

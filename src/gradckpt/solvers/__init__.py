@@ -13,6 +13,12 @@ wraps the segments in a ``Plan`` (predictions from ``gradckpt.cost.simulate``) a
 - ``"chen-greedy"``, ``"optimal"``: chosen for the budget, which is required. When nothing they
   can produce fits, ``minimum_bytes`` is the lowest peak any of their plans reaches.
 
+The output head is part of every strategy's plan: where the profile measured the step with its
+head's loss in chunks (``Profile.chunked_heads``, a few chunk counts), each strategy solves for
+each of those steps and the plain one, and ``solve`` keeps the plan that fits at the least
+predicted extra time, the plain head on a tie, then the fewest chunks (``output_head="plain"``
+or ``"chunked"`` narrows the choice).
+
 Example:
     >>> from gradckpt.profile_types import Profile, example_block
     >>> blocks = [example_block(f"h.{i}") for i in range(4)]
@@ -27,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..budget import format_bytes, parse_budget
-from ..cost import plan_for
+from ..cost import as_chunked, plan_for
 from ..errors import BudgetError, UsageError
 from ..plan import Plan, Segment
 from ..profile_types import Profile
@@ -37,7 +43,7 @@ from .infeasible import RETRY_WITHOUT_MEASURING, budget_message, explain_infeasi
 from .none import solve_none
 from .sqrt import solve_sqrt
 
-__all__ = ["STRATEGIES", "BUDGET_DRIVEN", "solve"]
+__all__ = ["STRATEGIES", "BUDGET_DRIVEN", "OUTPUT_HEADS", "solve"]
 
 Solver = Callable[[Profile, "int | None"], "list[Segment]"]
 
@@ -56,7 +62,15 @@ BUDGET_DRIVEN: dict[str, Callable[[Profile], int]] = {
 }
 
 
-def solve(profile: Profile, budget: int | str | None = None, strategy: str = "optimal") -> Plan:
+# What a plan may do with the output head: "auto" (whichever fits faster), "plain" (the logits
+# whole: out.logits as the model returns them), "chunked" (the loss in chunks of tokens).
+OUTPUT_HEADS = ("auto", "plain", "chunked")
+
+
+def solve(
+    profile: Profile, budget: int | str | None = None, strategy: str = "optimal", *,
+    output_head: str = "auto",
+) -> Plan:
     """The plan ``strategy`` makes for ``profile`` under ``budget``.
 
     Args:
@@ -68,6 +82,11 @@ def solve(profile: Profile, budget: int | str | None = None, strategy: str = "op
             target's ``notes["device_usable_bytes"]``; for a measured profile, what
             ``profile.device`` has free on this machine now (``gradckpt.budget.available_bytes``).
         strategy: one of ``STRATEGIES``.
+        output_head: ``"auto"`` (default): the head and loss in chunks of tokens (each chunk's
+            logits recomputed in backward) when that fits where the plain head does not, or
+            fits faster (less recomputation of the blocks); ``"plain"``: never (the output's
+            ``logits`` stay whole, for a loop that reads them); ``"chunked"``: always. The
+            choice exists where ``profile.chunked_heads`` were measured.
 
     Raises ``UsageError`` for an unknown strategy or a malformed budget, and ``BudgetError``
     when the strategy's plan does not fit the budget: its message and ``minimum_bytes`` give the
@@ -106,25 +125,60 @@ def solve(profile: Profile, budget: int | str | None = None, strategy: str = "op
             device_bytes=profile.notes.get("device_usable_bytes"),
         )
 
-    segments = STRATEGIES[strategy](profile, budget_bytes)
-    plan = plan_for(profile, strategy, budget_bytes, segments)
-    if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
-        raise _infeasible(profile, strategy, budget_bytes, plan)
-    return plan
+    candidates = [
+        plan_for(profile, strategy, budget_bytes,
+                 STRATEGIES[strategy](as_chunked(profile, chunks), budget_bytes), chunks)
+        for chunks in _head_choices(profile, output_head)
+    ]
+    fitting = [plan for plan in candidates
+               if budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes]
+    if not fitting:
+        raise _infeasible(profile, strategy, budget_bytes, candidates, output_head)
+    # The plain head first: on a tie it wins (the logits as the model returns them).
+    return min(fitting, key=lambda plan: plan.predicted_extra_seconds)
 
 
-def _infeasible(profile: Profile, strategy: str, budget_bytes: int, plan: Plan) -> BudgetError:
+def _head_choices(profile: Profile, output_head: str) -> list[int]:
+    """The head's chunk counts the strategy solves for (1: the plain head), in the order ties
+    go: the plain head, then the fewest chunks."""
+    if output_head not in OUTPUT_HEADS:
+        raise UsageError(f"unknown output_head {output_head!r}; valid: "
+                         f"{', '.join(map(repr, OUTPUT_HEADS))}")
+    chunked = sorted(head.chunks for head in profile.chunked_heads)
+    if output_head == "chunked":
+        if not chunked:
+            raise UsageError(
+                "output_head='chunked', but the profile has no chunked head: "
+                f"{profile.notes.get('chunked_head', 'not measured')}"
+            )
+        return chunked
+    if output_head == "plain":
+        return [1]
+    return [1, *chunked]
+
+
+def _infeasible(
+    profile: Profile, strategy: str, budget_bytes: int, candidates: list[Plan], output_head: str,
+) -> BudgetError:
     """The error for a budget below what ``strategy`` reaches: the smallest budget it meets,
     what that plan's peak is made of, what lowers it, and the profile to retry with."""
+    least_of_each = []
+    for plan in candidates:
+        step = as_chunked(profile, plan.head_chunks)
+        if strategy in BUDGET_DRIVEN:
+            minimum = BUDGET_DRIVEN[strategy](step)
+            segments = STRATEGIES[strategy](step, minimum)
+        else:
+            minimum, segments = plan.predicted_peak_bytes, plan.segments
+        least_of_each.append((minimum, step, segments))
+    minimum_bytes, step, least = min(least_of_each, key=lambda item: item[0])
     if strategy in BUDGET_DRIVEN:
-        minimum_bytes = BUDGET_DRIVEN[strategy](profile)
-        least = STRATEGIES[strategy](profile, minimum_bytes)
         what = "any plan reaches" if strategy == "optimal" else f"any {strategy} plan reaches"
     else:
-        minimum_bytes, least = plan.predicted_peak_bytes, plan.segments
         what = f"the {strategy} plan reaches (strategy='optimal' may reach less)"
     headline = (f"budget {format_bytes(budget_bytes)} is below the smallest peak {what}, "
                 f"{format_bytes(minimum_bytes)}; raise the budget to at least that.")
-    explanation = explain_infeasible(profile, least)
+    explanation = explain_infeasible(step, least, head_chunked=step is not profile,
+                                     output_head=output_head)
     return BudgetError(budget_message(headline, explanation, RETRY_WITHOUT_MEASURING),
                        minimum_bytes=minimum_bytes, profile=profile, explanation=explanation)

@@ -67,9 +67,14 @@ def budget_message(headline: str, explanation: str, after: str = "") -> str:
     return f"{headline}\n{textwrap.fill(explanation + after, width=100)}"
 
 
-def explain_infeasible(profile: Profile, least_segments: list[Segment]) -> str:
+def explain_infeasible(
+    profile: Profile, least_segments: list[Segment], *, head_chunked: bool = False,
+    output_head: str = "auto",
+) -> str:
     """What the least plan's peak is made of, largest first, and what lowers the largest part
-    (see the module): one paragraph, unwrapped.
+    (see the module): one paragraph, unwrapped. ``profile`` is the step the least plan runs
+    (``head_chunked``: with its head in chunks already); ``output_head``: what the caller let
+    the plan do with the head (``"plain"``: chunking it is a lever the caller ruled out).
 
     Example: full fine-tuning in bf16 with AdamW, where ``optimizer.step()`` peaks highest
         >>> from gradckpt.profile_types import Profile, example_block
@@ -90,7 +95,7 @@ def explain_infeasible(profile: Profile, least_segments: list[Segment]) -> str:
     """
     phases = phase_peaks(profile, least_segments)
     phase = max(PHASES, key=lambda name: phases.get(name, 0))
-    step = _Step.of(profile)
+    step = _Step.of(profile, head_chunked, output_head)
     parts = _parts_at_peak(profile, phases, phase, step)
     listed = "; ".join(f"{label} {format_bytes(size)}" for _, label, size in parts)
     lever = _lever(parts[0][0], step) if parts else "raise the budget"
@@ -116,9 +121,13 @@ class _Step:
     optimizer_state_bytes: int
     accumulated_gradient_bytes: int
     previous_output_bytes: int
+    head_chunked: bool = False  # the least plan computes the loss in chunks already
+    chunkable_head: bool = False  # the profile measured a chunked head (Profile.chunked_heads)
+    output_head: str = "auto"  # what the caller let the plan do with the head
 
     @classmethod
-    def of(cls, profile: Profile) -> _Step:
+    def of(cls, profile: Profile, head_chunked: bool = False, output_head: str = "auto"
+           ) -> _Step:
         notes = profile.notes
         optimizer_state = profile.optimizer_state_bytes
         accumulated = profile.accumulated_gradient_bytes
@@ -142,6 +151,9 @@ class _Step:
             optimizer_state_bytes=optimizer_state,
             accumulated_gradient_bytes=accumulated,
             previous_output_bytes=profile.previous_output_bytes,
+            head_chunked=head_chunked,
+            chunkable_head=bool(profile.chunked_heads),
+            output_head=output_head,
         )
 
     @property
@@ -219,15 +231,7 @@ def _lever(kind: str, step: _Step) -> str:
     if kind in ("kept", "backward"):
         return smaller
     if kind == "head":
-        shorter = ("or use shorter sequences (the batch is 1 already)" if step.single_example
-                   else "or use shorter sequences or a smaller batch")
-        lever = ("compute the loss in chunks so that the whole logits never exist at once (a "
-                 f"chunked or fused cross-entropy), {shorter}")
-        if step.keep_output is not False:  # a loop known to drop it already needs no telling
-            lever += ("; if your loop drops the model's output before backward (the Hugging "
-                      "Face Trainer does), plan for that: keep_output=False (gradckpt plan "
-                      "--drop-output)")
-        return lever
+        return _head_lever(step)
     if kind == "previous_output":
         return ("let go of the last step's output before the next forward (del out at the end "
                 "of each step), or drop it before backward and plan for that: "
@@ -262,6 +266,9 @@ def _lever(kind: str, step: _Step) -> str:
         if kind == "optimizer" and step.keep_output is not False and step.previous_output_bytes:
             levers.append("let go of the model's output before optimizer.step() (del out "
                           "after backward)")
+        if kind == "optimizer" and step.chunkable_head and step.output_head == "plain":
+            levers.append("let gradckpt compute the loss in chunks of tokens, so that the "
+                          "output holds no logits (output_head='auto' instead of 'plain')")
         what = ("the state" if kind == "optimizer_state" else
                 "the gradients and the optimizer's state" if step.optimizer_state_bytes
                 else "the gradients")
@@ -271,6 +278,27 @@ def _lever(kind: str, step: _Step) -> str:
         return "shard the parameters across GPUs (FSDP2)"
     return ("train adapters on a frozen base (LoRA) so fewer gradients exist, or shard the "
             "parameters across GPUs (FSDP2)")
+
+
+def _head_lever(step: _Step) -> str:
+    """What shrinks the output head's part: its loss in chunks where gradckpt can and the
+    plan does not yet, then shorter sequences or a smaller batch."""
+    shorter = ("use shorter sequences (the batch is 1 already)" if step.single_example
+               else "use shorter sequences or a smaller batch")
+    if step.head_chunked:  # one chunk of logits at a time already
+        return shorter
+    if step.chunkable_head and step.output_head == "plain":
+        return (f"let gradckpt compute the loss in chunks of tokens (output_head='auto' or "
+                f"'chunked' instead of 'plain'; out.logits is then empty), or {shorter}")
+    lever = ("compute the loss in chunks of tokens so that the whole logits never exist at "
+             "once: gradckpt plans that itself when the loss runs through "
+             "gradckpt.linear_cross_entropy(hidden, head, targets) (a Hugging Face causal "
+             f"language model given labels does), or {shorter}")
+    if step.keep_output is not False:  # a loop known to drop it already needs no telling
+        lever += ("; if your loop drops the model's output before backward (the Hugging "
+                  "Face Trainer does), plan for that: keep_output=False (gradckpt plan "
+                  "--drop-output)")
+    return lever
 
 
 def _either(levers: list[str]) -> str:
