@@ -5,4 +5,6 @@ What the core must have done to a model of their kind reaches it through the eco
 register (``gradckpt.ecosystem_hooks``); ``gradckpt`` imports this package to register them.
 """
 
-from . import hf  # noqa: F401  (registers its ecosystem hook: caches off while gradckpt works)
+# Each registers its ecosystem hook: caches off while gradckpt works; a causal LM's loss in
+# chunks when the plan says so.
+from . import hf, hf_head  # noqa: F401

@@ -1,0 +1,171 @@
+"""Hugging Face causal language models: the loss in chunks of tokens when the plan says so.
+
+A causal language model's forward projects every position onto the vocabulary (``lm_head``),
+soft-caps the logits where the family does (Gemma 2's ``final_logit_softcapping``) and, given
+``labels``, takes Transformers' ``ForCausalLMLoss`` of them. ``chunked_causal_lm_loss`` (a
+registered ecosystem hook, so on whenever gradckpt measures a model or a plan is applied)
+wraps the forward of each such model inside ``model``:
+
+- in a training step (the model in ``train()``, gradients on) with ``labels``, it asks the
+  engine how many chunks the plan chose for the model's output head
+  (``planned_head_chunks``, which also tells ``profile`` that this head can be chunked);
+- with more than one, it runs the model's own forward with the head answering an empty
+  ``(batch, seq, 0)`` tensor (whatever the forward does to the logits costs nothing then),
+  takes the hidden states the head was given and computes the loss with
+  ``gradckpt.linear_cross_entropy``: the label shift (or the ``shift_labels`` given),
+  ``ignore_index``, the mean over counted tokens or the Trainer's ``num_items_in_batch``,
+  the soft-capping, and the head module itself (tied embeddings, a bias, LoRA on it);
+- otherwise, and always in evaluation, ``generate()`` and steps without labels, it is the
+  model's own forward, untouched.
+
+In a chunked step ``out.loss`` is the loss and ``out.logits`` an empty tensor of shape
+``(batch, seq, 0)``: the whole logits never exist. A loop that reads them plans with
+``output_head="plain"``. A model that changes its logits in a way this does not repeat (a
+scale, say) is caught before any plan uses it: ``profile`` compares the chunked loss with the
+model's own on the sample and offers no chunked head when they differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ecosystem_hooks import Occasion, register_ecosystem_hook
+from ..engine import linear_cross_entropy, planned_head_chunks
+
+__all__ = ["chunked_causal_lm_loss", "output_head"]
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The output head of a Transformers causal language model (``get_output_embeddings()``),
+    None for any other model.
+
+    Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+        >>> output_head(transformers.GPT2LMHeadModel(config))
+        Linear(in_features=16, out_features=64, bias=False)
+    """
+    if not _is_causal_lm(model):
+        return None
+    head = model.get_output_embeddings()
+    return head if isinstance(head, nn.Module) else None
+
+
+def chunked_causal_lm_loss(model: nn.Module, occasion: Occasion) -> Callable[[], None] | None:
+    """Wrap the forward of every causal language model in ``model`` as the module says;
+    return what unwraps them (None: there are none)."""
+    wrapped = []
+    for module in model.modules():
+        if output_head(module) is None or "forward" in vars(module):
+            continue  # not a causal language model, or wrapped already (by another hold)
+        module.forward = _chunking_forward(module)
+        wrapped.append(module)
+    if not wrapped:
+        return None
+
+    def restore() -> None:
+        for module in wrapped:
+            vars(module).pop("forward", None)
+
+    return restore
+
+
+def _is_causal_lm(module: nn.Module) -> bool:
+    """A Transformers causal language model: its class, or one it derives from (a user's
+    subclass), is one of Transformers' causal language models."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(cls.__name__ in names and cls.__module__.startswith("transformers.")
+               for cls in type(module).__mro__)
+
+
+def _chunking_forward(module: nn.Module) -> Callable[..., Any]:
+    original = type(module).forward.__get__(module)
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        labels = _argument(signature, args, kwargs, "labels")
+        if labels is None or not module.training or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        # Asked at each call: PEFT may have wrapped the planned head since (LoRA on lm_head);
+        # the wrapper then computes each chunk's logits.
+        head = module.get_output_embeddings()
+        chunks = planned_head_chunks(head)
+        base = getattr(head, "base_layer", None)
+        if chunks == 1 and isinstance(base, nn.Module):
+            chunks = planned_head_chunks(base)
+        if chunks == 1:
+            return original(*args, **kwargs)
+        return _chunked_step(module, head, original, signature, args, kwargs, chunks)
+
+    return forward
+
+
+def _chunked_step(
+    module: nn.Module, head: nn.Module, original: Callable[..., Any],
+    signature: inspect.Signature, args: tuple, kwargs: dict, chunks: int,
+) -> Any:
+    bound = signature.bind(*args, **kwargs)
+    labels = bound.arguments["labels"]
+    bound.arguments["labels"] = None  # the model computes no loss: this does
+    extra = bound.arguments.get("kwargs") or {}
+    captured: list[torch.Tensor] = []
+
+    def capture(hidden: torch.Tensor, *rest: Any, **options: Any) -> torch.Tensor:
+        captured.append(hidden)
+        return hidden.new_empty((*hidden.shape[:-1], 0))
+
+    head.forward = capture  # the head's hooks still run around it
+    try:
+        output = original(*bound.args, **bound.kwargs)
+    finally:
+        vars(head).pop("forward", None)
+    if len(captured) != 1:
+        raise RuntimeError(
+            f"{type(module).__name__}'s forward called its output head {len(captured)} times; "
+            "gradckpt cannot compute its loss in chunks: plan with output_head='plain'"
+        )
+    shift_labels = extra.get("shift_labels")
+    loss = linear_cross_entropy(
+        captured[0], head, shift_labels if shift_labels is not None else labels,
+        chunks=chunks, ignore_index=extra.get("ignore_index", -100),
+        shift=shift_labels is None, softcap=_softcap(module),
+        num_items=extra.get("num_items_in_batch"),
+    )
+    if isinstance(output, tuple):
+        return (loss, *output)
+    fields = {name: value for name, value in output.items() if name != "loss"}
+    return type(output)(loss=loss, **fields)
+
+
+def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    names = list(signature.parameters)
+    if name in names and names.index(name) < len(args):
+        return args[names.index(name)]
+    return None
+
+
+def _softcap(module: nn.Module) -> float | None:
+    config = getattr(module, "config", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+    text = getattr(config, "get_text_config", None)
+    if cap is None and callable(text):
+        cap = getattr(text(), "final_logit_softcapping", None)
+    return cap
+
+
+register_ecosystem_hook(chunked_causal_lm_loss)
