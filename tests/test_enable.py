@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from engine_models import assert_trains_as_plain
 from hf_models import tiny_clip, tiny_llama
 from torch import nn
 
@@ -132,8 +133,8 @@ def test_llama_from_a_config_fits_the_budget_with_identical_gradients(
     peak, loss, grads = step(model, llama_sample())
     assert peak <= budget * ALLOWANCE, (peak, budget, str(plan.segments))
     assert abs(plan.predicted_peak_bytes - peak) <= 0.01 * peak, (plan.predicted_peak_bytes, peak)
-    assert torch.equal(loss, plain_loss)
-    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    # Bit for bit; within float rounding where the plan computes the loss in chunks.
+    assert_trains_as_plain(plan, [loss, *grads], [plain_loss, *plain_grads])
     gradckpt.disable(model)
     gradckpt.disable(model)
     assert model.config.use_cache
@@ -270,7 +271,8 @@ def test_enable_takes_plan_and_apply_which_gives_the_plan_and_its_profile(
     plan = gradckpt.enable(model, sample, None, "sqrt", optimizer="sgd", accumulation_steps=2,
                            keep_output=False)
     assert calls == [((model, sample, None, "sqrt", None, None),
-                      {"optimizer": "sgd", "accumulation_steps": 2, "keep_output": False})]
+                      {"optimizer": "sgd", "accumulation_steps": 2, "keep_output": False,
+                       "output_head": "auto"})]
     assert gradckpt.get_plan(model) is plan and plan.segments
     gradckpt.disable(model)
 

@@ -37,7 +37,14 @@ import hf_models
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_models import SmallCNN, assert_identical, buffers, gradients, parameters
+from engine_models import (
+    SmallCNN,
+    assert_identical,
+    assert_trains_as_plain,
+    buffers,
+    gradients,
+    parameters,
+)
 from torch import nn
 
 import gradckpt
@@ -123,9 +130,10 @@ def train(
     return run
 
 
-def assert_same_training(got: Run, expected: Run) -> None:
-    assert_identical(got.parameters, expected.parameters, "parameters")
-    assert_identical(got.gradients, expected.gradients, "gradients")
+def assert_same_training(got: Run, expected: Run, plan: gradckpt.Plan | None = None) -> None:
+    """Bit for bit; within float rounding where ``plan`` computes the loss in chunks."""
+    assert_trains_as_plain(plan, got.parameters, expected.parameters, "parameters")
+    assert_trains_as_plain(plan, got.gradients, expected.gradients, "gradients")
     assert_identical(got.buffers, expected.buffers, "buffers")
 
 
@@ -174,13 +182,13 @@ def run_case(
 
 def assert_fits_and_trains_the_same(case: Case) -> None:
     plan = case.plan
-    assert plan.segments, f"nothing recomputed: {case.report()}"
+    assert plan.segments or plan.head_chunks > 1, f"nothing recomputed: {case.report()}"
     assert case.planned.peak_bytes < case.plain.peak_bytes, case.report()
     assert case.planned.peak_bytes <= plan.budget_bytes * OVER_BUDGET, case.report()
     # Never below the measured peak by more than the tolerance: a plan trusted to fit, fits.
     assert plan.predicted_peak_bytes >= case.planned.peak_bytes * (1 - PREDICTION_GAP), (
         case.report())
-    assert_same_training(case.planned, case.plain)
+    assert_same_training(case.planned, case.plain, case.plan)
 
 
 def assert_predicted_both_ways(case: Case) -> None:
@@ -577,8 +585,11 @@ def assert_trainer_fits_and_trains_the_same(run: TrainerRun, plain: TrainerRun) 
     assert run.peak_bytes <= plan.budget_bytes * OVER_BUDGET, report
     assert abs(plan.predicted_peak_bytes - run.peak_bytes) <= PREDICTION_GAP * run.peak_bytes, (
         report)
-    assert run.losses == plain.losses
-    assert_identical(run.parameters, plain.parameters, "parameters")
+    if plan.head_chunks == 1:
+        assert run.losses == plain.losses
+    else:
+        assert run.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert_trains_as_plain(plan, run.parameters, plain.parameters, "parameters")
 
 
 def test_trainer_callback_60_percent_is_of_the_trainers_step_and_fits(

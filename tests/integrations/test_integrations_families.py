@@ -41,7 +41,10 @@ def test_plans_fit_and_are_predicted_on_each_family(family: Family) -> None:
     for label, plan in plans.items():
         where = f"{family.name} at {label}"
         peak = result.peak_bytes[label]
-        assert result.identical(label), f"{where}: gradients differ from the plain model's"
+        # Bit for bit, or within float rounding where the plan computes the loss in chunks.
+        assert result.identical(label) or (
+            plan.head_chunks > 1 and result.largest_difference(label) <= 1e-5
+        ), f"{where}: gradients differ from the plain model's"
         assert peak <= plan.budget_bytes * (1 + ALLOWANCE), (
             f"{where}: measured {peak} over budget {plan.budget_bytes}")
         error = (plan.predicted_peak_bytes - peak) / peak

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from engine_models import CHUNKED_HEAD_TOLERANCE
 from torch import nn
 
 import gradckpt
@@ -60,7 +61,12 @@ def users_step(model: nn.Module, sample: dict) -> tuple[int, list]:
     return measured.peak_bytes, measured.gradients
 
 
-def _identical(first: list, second: list) -> bool:
+def _identical(first: list, second: list, plan: gradckpt.Plan | None = None) -> bool:
+    """Bit for bit; within float rounding where ``plan`` computes the loss in chunks."""
+    if plan is not None and plan.head_chunks > 1:
+        return all((a is None and b is None) or (a is not None and b is not None and
+                                                torch.allclose(a, b, **CHUNKED_HEAD_TOLERANCE))
+                   for a, b in zip(first, second, strict=True))
     return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                for a, b in zip(first, second, strict=True))
 
@@ -79,7 +85,7 @@ def test_enable_fits_the_budget_with_the_plain_gradients_and_truthful_flags(case
     peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE), (peak, plan.budget_bytes)
     assert peak < plain_peak
-    assert _identical(grads, plain_grads)
+    assert _identical(grads, plain_grads, plan)
     if case.name == "t5":  # both stacks are in the chain (which ones 60% recomputes depends
         names = set(plan.block_names)  # on the profile's timings: not asserted)
         assert any(n.startswith("encoder.") for n in names)
@@ -122,7 +128,7 @@ def test_generate_in_eval_runs_as_without_gradckpt_and_train_brings_the_plan_bac
     plain_peak, plain_grads = users_step(plain, sample)
     peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
-    assert _identical(grads, plain_grads)
+    assert _identical(grads, plain_grads, plan)
     gradckpt.disable(model)
 
 
@@ -138,7 +144,7 @@ def test_a_later_transformers_enable_keeps_the_plan_and_warns_once() -> None:
     assert not _transformers_layers_on(model)  # never both mechanisms on one layer
     peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
-    assert _identical(grads, plain_grads)
+    assert _identical(grads, plain_grads, plan)
     gradckpt.disable(model)
 
 
@@ -166,7 +172,7 @@ def test_enable_on_a_model_with_transformers_checkpointing_on_replaces_it_until_
     assert _checkpointing_flag(model)
     peak, grads = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
-    assert _identical(grads, plain_grads)
+    assert _identical(grads, plain_grads, plan)
     gradckpt.disable(model)
     assert _transformers_layers_on(model) == layers  # Transformers' own, as before
 
@@ -204,7 +210,7 @@ def test_peft_before_or_after_enable_gives_the_plain_peft_gradients(order) -> No
     assert plan.segments
     # No enable_input_require_grads(): the engine does not need its inputs to require grad.
     peak, _ = users_step(model, sample)
-    assert _identical(_lora_grads(model), plain_grads)
+    assert _identical(_lora_grads(model), plain_grads, plan)
     assert peak < plain_peak
     if order == "peft-then-enable":
         assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
@@ -242,7 +248,12 @@ def test_a_bf16_frozen_base_with_fp32_adapters() -> None:
     assert plan.segments
     peak, _ = users_step(model, sample)
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
-    assert _identical(_lora_grads(model), _lora_grads(plain))
+    if plan.head_chunks == 1:
+        assert _identical(_lora_grads(model), _lora_grads(plain))
+    else:  # bf16 logits rounded per chunk: measured 3e-4 to 6.2e-3 of each gradient's
+        # largest value, within two bf16 ulps (2 x 2**-7)
+        for got, expected in zip(_lora_grads(model), _lora_grads(plain), strict=True):
+            assert (got - expected).abs().max() <= 2 * 2**-7 * expected.abs().max()
     gradckpt.disable(model)
 
 
@@ -364,7 +375,7 @@ def test_qlora_a_4bit_bitsandbytes_base_with_lora_adapters(tmp_path, request) ->
     assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
     assert abs(plan.predicted_peak_bytes - peak) <= ALLOWANCE * peak
     assert peak < plain_peak
-    assert _identical(_lora_grads(model), _lora_grads(plain))
+    assert _identical(_lora_grads(model), _lora_grads(plain), plan)
     gradckpt.disable(model)
 
 
@@ -392,4 +403,4 @@ def test_mixed_precision_as_accelerate_applies_it_is_planned_as_it_runs() -> Non
         assert plan.segments
         assert peak <= plan.budget_bytes * (1 + ALLOWANCE)
         assert abs(plan.predicted_peak_bytes - peak) <= ALLOWANCE * peak, (share, plan, peak)
-        assert _identical(grads, plain_grads)
+        assert _identical(grads, plain_grads, plan)

@@ -531,3 +531,43 @@ def test_a_watch_cut_short_by_the_end_of_training_is_reported_then(
     with caplog.at_level(logging.WARNING, logger="gradckpt"):
         callback.on_train_end(None, None, None, model=nn.Linear(2, 2))
     assert callback.measured_peak_bytes == 120 and len(caplog.records) == 1
+
+
+def padded_dataset(size: int = 16) -> list[dict[str, torch.Tensor]]:
+    """Rows whose first tokens do not count (-100), a different number in each: the Trainer
+    then divides each micro-batch's summed loss by the tokens counted over the whole
+    accumulation (num_items_in_batch), not by its own."""
+    rows = token_dataset(size)
+    for index, row in enumerate(rows):
+        row["labels"][: index % 5 * 3] = -100
+    return rows
+
+
+@pytest.mark.parametrize("output_head", ["chunked", "plain"])
+def test_the_chunked_loss_trains_as_the_plain_model_with_gradient_accumulation(
+    tmp_root: Path, output_head: str
+) -> None:
+    """With ``gradient_accumulation_steps=2``, padding in the labels and the loss in chunks,
+    the run's losses and parameters are the plain run's within float rounding; ruled out, bit
+    for bit. AdamW turns rounding in the smallest gradients into visible steps: the largest
+    parameter difference measured after 3 steps at lr 1e-3 is 7.7e-6 (lm_head.weight; the
+    rest below 5e-7), held here to 1% of the learning rate per step."""
+    expected = tiny_llama()
+    plain = trainer_for(expected, tmp_root / f"padded-plain-{output_head}",
+                        dataset=padded_dataset(), gradient_accumulation_steps=2)
+    plain.train()
+    model = tiny_llama()
+    callback = GradckptCallback(budget=None, strategy="none", output_head=output_head)
+    trainer = trainer_for(model, tmp_root / f"padded-{output_head}", [callback],
+                          dataset=padded_dataset(), gradient_accumulation_steps=2)
+    trainer.train()
+    assert callback.plan.head_chunks > 1 if output_head == "chunked" else (
+        callback.plan.head_chunks == 1)
+    tolerance = 3 * 0.01 * 1e-3 if output_head == "chunked" else 0.0
+    assert losses(trainer) == pytest.approx(losses(plain), rel=0, abs=tolerance)
+    got = parameters(model)
+    differences = {name: (got[name] - parameter).abs().max().item()
+                   for name, parameter in parameters(expected).items()}
+    assert max(differences.values()) <= tolerance, sorted(differences.items(),
+                                                          key=lambda item: -item[1])[:3]
+    gradckpt.disable(model)

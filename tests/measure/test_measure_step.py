@@ -14,6 +14,7 @@ from __future__ import annotations
 import hf_models
 import pytest
 import torch
+from engine_models import assert_trains_as_plain
 from torch import nn
 
 import gradckpt
@@ -88,7 +89,8 @@ def test_keeping_the_output_costs_the_logits() -> None:
 def test_plans_fit_the_budget_of_the_step_the_loop_runs(keep_output: bool, share: float) -> None:
     """At 70% and 45% of the plain peak (or the smallest feasible budget): the loop's measured
     peak is within the budget + 3%, the prediction within 3% of it, the gradients the plain
-    model's bit for bit. Before, with the output kept, 45% went over by one logits tensor."""
+    model's bit for bit (within rounding where the plan chunks the loss). Before, with the
+    output kept, 45% went over by one logits tensor."""
     sample = causal_sample()
     plain_peak, plain_grads = users_step(causal_lm(), sample, keep_output)
     model = causal_lm()
@@ -102,8 +104,9 @@ def test_plans_fit_the_budget_of_the_step_the_loop_runs(keep_output: bool, share
     gradckpt.disable(model)
     assert peak <= plan.budget_bytes * 1.03, (peak, plan.budget_bytes)
     assert abs(plan.predicted_peak_bytes - peak) <= 0.03 * peak, (plan.predicted_peak_bytes, peak)
-    assert all(torch.equal(grads[name], grad) for name, grad in plain_grads.items() if
-               grad is not None)
+    # Bit for bit; within float rounding where the plan computes the loss in chunks.
+    assert_trains_as_plain(plan, {n: g for n, g in grads.items() if plain_grads[n] is not None},
+                           {n: g for n, g in plain_grads.items() if g is not None})
 
 
 @pytest.mark.parametrize("keep_output", [True, False], ids=["output-kept", "output-dropped"])

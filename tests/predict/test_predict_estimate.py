@@ -16,7 +16,7 @@ import torch
 
 import gradckpt
 from gradckpt.cli.model_lookup import build_known_model
-from gradckpt.cost import simulate
+from gradckpt.cost import as_planned, simulate
 from gradckpt.integrations.hf_families import FAMILIES, family, hf_model
 from gradckpt.predict.clock import ModeledClock
 
@@ -42,7 +42,8 @@ def test_estimate_and_profile_agree_on_bytes(case) -> None:
     # plans themselves may differ from those solved from the measured profile: their times
     # are rooflines.
     plan = gradckpt.solve(predicted, int(0.7 * measured.peak_bytes))
-    assert plan.predicted_peak_bytes == measured.fixed_bytes + simulate(measured, plan.segments)[0]
+    assert plan.predicted_peak_bytes == measured.fixed_bytes + simulate(
+        as_planned(measured, plan), plan.segments)[0]
     # The model is exactly as it was: real parameters, the same values.
     after = model.state_dict()
     assert all(torch.equal(after[name], value) for name, value in before.items())

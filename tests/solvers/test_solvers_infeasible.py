@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_models import LoRANet, assert_identical, gradients, parameters
+from engine_models import LoRANet, assert_identical, assert_trains_as_plain, gradients, parameters
 from hf_models import causal_sample, tiny_llama
 from torch import nn
 
@@ -157,20 +157,46 @@ def test_retrying_from_the_error_measures_nothing_and_trains_identically(case: s
     peak, checkpointed_gradients = plain_step(model, sample)
     assert peak <= error.minimum_bytes * ALLOWANCE, (peak, error.minimum_bytes)
     assert peak < plain_peak
-    assert_identical(checkpointed_gradients, plain_gradients)
+    assert_trains_as_plain(plan, checkpointed_gradients, plain_gradients)
     gradckpt.disable(model)
 
 
 def test_a_logits_bound_language_model_says_so() -> None:
-    """The case a newcomer meets first: a wide vocabulary, where "60%" is below any plan."""
+    """The case a newcomer meets first: a wide vocabulary, where "60%" is below any plan that
+    keeps the logits whole. The error says so and names the lever gradckpt pulls itself."""
     pytest.importorskip("transformers")
     model = tiny_llama(layers=2, vocab_size=8192)
     with pytest.raises(BudgetError) as caught:
-        gradckpt.enable(model, causal_sample(8192, 2, 64), budget="60%", optimizer="none")
+        gradckpt.enable(model, causal_sample(8192, 2, 64), budget="60%", optimizer="none",
+                        output_head="plain")
     message = str(caught.value)
     assert "at the output head" in message
     listed = message.split("comes at the output head:")[1]
     assert listed.lstrip().startswith("the logits"), message  # the largest item, named first
+    assert "output_head='auto'" in " ".join(message.split()), message
+    # Allowed to chunk the loss, the same budget fits.
+    plan = gradckpt.enable(model, causal_sample(8192, 2, 64), budget="60%", optimizer="none")
+    assert plan.head_chunks > 1
+    gradckpt.disable(model)
+
+
+def test_a_logits_bound_model_whose_loss_gradckpt_cannot_chunk_says_how_to_let_it() -> None:
+    """A loss computed from the logits outside the model: the error points to
+    gradckpt.linear_cross_entropy."""
+    pytest.importorskip("transformers")
+    model = tiny_llama(layers=2, vocab_size=8192)
+    sample = causal_sample(8192, 2, 64)
+    targets = sample.pop("labels")
+
+    def loss_fn(output):
+        logits = output.logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    with pytest.raises(BudgetError) as caught:
+        gradckpt.enable(model, sample, budget="60%", optimizer="none", loss_fn=loss_fn)
+    message = " ".join(str(caught.value).split())
+    assert caught.value.profile.chunked_heads == []
+    assert "gradckpt.linear_cross_entropy(hidden, head, targets)" in message, message
 
 
 @pytest.mark.parametrize("estimate", [[], ["--estimate", "--device", "l4"]],
