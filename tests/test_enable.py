@@ -128,7 +128,7 @@ def test_llama_from_a_config_fits_the_budget_with_identical_gradients(
     assert model.config.use_cache
     budget = int(minimum + position * (plain_peak - minimum))
     plan = gradckpt.enable(model, llama_sample(), budget=budget)
-    assert plan.segments and model.config.use_cache  # off only inside training steps
+    assert (plan.segments or plan.head_chunks > 1) and model.config.use_cache  # off in steps only
     assert plan.predicted_peak_bytes <= budget
     peak, loss, grads = step(model, llama_sample())
     assert peak <= budget * ALLOWANCE, (peak, budget, str(plan.segments))

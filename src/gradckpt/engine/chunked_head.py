@@ -164,7 +164,6 @@ class _LinearSummingIntoOneGradient:
         self.weight_gradient = _WeightGradientBuffer()
         # Every chunk reads the weight through this one alias; its backward runs after theirs.
         self.weight = _HandOverWeightGradient.apply(head.weight, self.weight_gradient)
-        self.weight_gradient.hand_over = self.weight.grad_fn
         self.bias = head.bias
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -173,15 +172,10 @@ class _LinearSummingIntoOneGradient:
 
 
 class _WeightGradientBuffer:
+    # Holds no autograd node: a node holding it back would make a reference cycle that keeps
+    # the step's graph (and, under DDP, its hooks) alive until the garbage collector runs.
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
-        self.hand_over: Any = None  # the node that hands the buffer to the weight
-
-    def wanted(self) -> bool:
-        """Whether this backward pass hands the buffer over: not one asked only for other
-        gradients (``torch.autograd.grad(loss, [hidden])``, ``backward(inputs=...)``), whose
-        additions would stay in the buffer for the next."""
-        return self.hand_over is None or torch._C._will_engine_execute_node(self.hand_over)
 
     def add(self, output_gradient: torch.Tensor, hidden: torch.Tensor) -> None:
         gradient = output_gradient.reshape(-1, output_gradient.shape[-1]).t()
@@ -223,7 +217,10 @@ class _LinearAddingWeightGradient(torch.autograd.Function):
     def backward(ctx: Any, gradient: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight = ctx.saved_tensors
         hidden_gradient = gradient.matmul(weight) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1] and ctx.buffer.wanted():
+        # Not in a backward pass asked only for other gradients (torch.autograd.grad(loss,
+        # [hidden]), backward(inputs=...)): the hand-over would not run, and the additions
+        # would stay in the buffer for the next backward.
+        if ctx.needs_input_grad[1] and torch._C._will_engine_execute_node(weight.grad_fn):
             ctx.buffer.add(gradient, hidden)
         bias_gradient = (gradient.reshape(-1, gradient.shape[-1]).sum(0)
                          if ctx.needs_input_grad[2] else None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -91,11 +92,17 @@ def _is_causal_lm(module: nn.Module) -> bool:
 
 
 def _chunking_forward(module: nn.Module) -> Callable[..., Any]:
-    original = type(module).forward.__get__(module)
-    signature = inspect.signature(original)
+    # The module holds this function: holding the module back only weakly keeps the two out
+    # of a reference cycle, so the model is freed when its last user lets go, not at some later
+    # garbage collection (under DDP, in the middle of whatever runs then).
+    owner = weakref.ref(module)
+    signature = inspect.signature(type(module).forward.__get__(module))
 
-    @functools.wraps(original)
+    @functools.wraps(type(module).forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        module = owner()
+        assert module is not None  # called through the module, which holds this function
+        original = type(module).forward.__get__(module)
         labels = _argument(signature, args, kwargs, "labels")
         if labels is None or not module.training or not torch.is_grad_enabled():
             return original(*args, **kwargs)
