@@ -29,7 +29,7 @@ from .measure.optimizer_step import check_optimizer
 from .measure.training_state import optimizer_state_bytes
 from .plan import Plan
 from .profile_types import Profile
-from .solvers import BUDGET_DRIVEN, OUTPUT_HEADS, STRATEGIES, solve
+from .solvers import BUDGET_DRIVEN, STRATEGIES, check_output_head, solve
 
 __all__ = ["check_request", "enable", "plan_and_apply"]
 
@@ -192,9 +192,7 @@ def check_request(budget: int | str | None, strategy: str, output_head: str = "a
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; valid strategies: "
                          f"{', '.join(STRATEGIES)}")
-    if output_head not in OUTPUT_HEADS:
-        raise UsageError(f"unknown output_head {output_head!r}; valid: "
-                         f"{', '.join(map(repr, OUTPUT_HEADS))}")
+    check_output_head(output_head)
     if budget is None:  # the fixed strategies' plan, whatever it costs
         if strategy in BUDGET_DRIVEN:
             raise UsageError(

@@ -43,7 +43,7 @@ from .infeasible import RETRY_WITHOUT_MEASURING, budget_message, explain_infeasi
 from .none import solve_none
 from .sqrt import solve_sqrt
 
-__all__ = ["STRATEGIES", "BUDGET_DRIVEN", "OUTPUT_HEADS", "solve"]
+__all__ = ["STRATEGIES", "BUDGET_DRIVEN", "OUTPUT_HEADS", "check_output_head", "solve"]
 
 Solver = Callable[[Profile, "int | None"], "list[Segment]"]
 
@@ -138,12 +138,26 @@ def solve(
     return min(fitting, key=lambda plan: plan.predicted_extra_seconds)
 
 
-def _head_choices(profile: Profile, output_head: str) -> list[int]:
-    """The head's chunk counts the strategy solves for (1: the plain head), in the order ties
-    go: the plain head, then the fewest chunks."""
+def check_output_head(output_head: str) -> None:
+    """Raise ``UsageError`` naming the valid values unless ``output_head`` is one of
+    ``OUTPUT_HEADS``.
+
+    Example:
+        >>> check_output_head("auto")
+        >>> check_output_head("whole")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: unknown output_head 'whole'; valid: 'auto', 'plain', 'chunked'
+    """
     if output_head not in OUTPUT_HEADS:
         raise UsageError(f"unknown output_head {output_head!r}; valid: "
                          f"{', '.join(map(repr, OUTPUT_HEADS))}")
+
+
+def _head_choices(profile: Profile, output_head: str) -> list[int]:
+    """The head's chunk counts the strategy solves for (1: the plain head), in the order ties
+    go: the plain head, then the fewest chunks."""
+    check_output_head(output_head)
     chunked = sorted(head.chunks for head in profile.chunked_heads)
     if output_head == "chunked":
         if not chunked:
