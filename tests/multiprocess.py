@@ -1,6 +1,6 @@
 """Running a test body on several gloo ranks: ``run_ranks(worker, args)`` spawns them, each
 calling ``worker(rank, port, out_dir, *args)`` and writing ``rank{N}.json`` into ``out_dir``;
-it returns those answers, re-raises a rank's exception with its traceback, and kills ranks
+it returns those answers, fails with a rank's traceback if one raised, and kills ranks
 that outlive the deadline (a hang fails the test instead of stalling CI)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,22 @@ def answer(out_dir: str, rank: int, result: dict) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _exit_when_done(rank: int, worker: Callable[..., None], *args: Any) -> None:
-    """``worker``, then leave at once: after FSDP2 on gloo, a rank sometimes aborts in
-    interpreter teardown ("terminate called without an active exception", a joinable C++
-    thread), after its answer was written. An exception still reaches ``run_ranks``."""
-    worker(rank, *args)
+def _exit_when_done(rank: int, worker: Callable[..., None], port: int, out_dir: str,
+                    *args: Any) -> None:
+    """``worker``, then leave at once, the process group still up.
+
+    Tearing the group down from Python can hang a rank: a gloo process group destroyed while
+    its worker thread still releases a finished collective (which needs the GIL the destroying
+    thread holds) deadlocks in ``~ProcessGroupGloo``'s thread join -- seen after
+    ``destroy_process_group()`` with a DDP model freed later, in a third of runs of plain DDP
+    once peft is imported. ``os._exit`` ends the process without running any of it; after
+    FSDP2 a rank also aborted in interpreter teardown ("terminate called without an active
+    exception"). A worker's exception is written beside the answers for ``run_ranks``."""
+    try:
+        worker(rank, port, out_dir, *args)
+    except BaseException:
+        Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+        os._exit(1)
     os._exit(0)
 
 
@@ -47,12 +59,19 @@ def run_ranks(worker: Callable[..., None], out_dir: Path, *args: Any,
               timeout_seconds: float = 240) -> list[dict]:
     context = mp.spawn(_exit_when_done, args=(worker, free_port(), str(out_dir), *args),
                        nprocs=WORLD, join=False)
-    # join() raises a rank's exception with its traceback, and returns False while some rank
-    # still runs (it returns as each one ends).
+    # join() raises when a rank exits with an error, and returns False while some rank still
+    # runs (it returns as each one ends).
     deadline = time.monotonic() + timeout_seconds
-    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("a rank hung")
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail("a rank hung")
+    except mp.ProcessExitedException:
+        for process in context.processes:
+            process.kill()
+        errors = sorted(out_dir.glob("rank*.error"))
+        pytest.fail("\n".join(f"{path.stem}:\n{path.read_text()}" for path in errors)
+                    or "a rank died without a Python exception")
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from multiprocess import answer, join_group, run_ranks
 
 import gradckpt
@@ -46,31 +45,28 @@ def skewed(profile: gradckpt.Profile, rank: int) -> gradckpt.Profile:
 
 def worker(rank: int, port: int, out: str, budget: str) -> None:
     join_group(rank, port)
+    # The module, not the function gradckpt.enable that its package attribute names.
+    enable_module = sys.modules["gradckpt.enable"]
+    measure = enable_module.profile
+    alone: list = []
+
+    def profile_skewed(*args, **kwargs):
+        measured = skewed(measure(*args, **kwargs), rank)
+        try:  # what this rank would choose on its own
+            alone.append(gradckpt.solve(measured, int(0.6 * measured.peak_bytes)).to_json())
+        except gradckpt.BudgetError:
+            alone.append(None)
+        return measured
+
+    enable_module.profile = profile_skewed
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     try:
-        # The module, not the function gradckpt.enable that its package attribute names.
-        enable_module = sys.modules["gradckpt.enable"]
-        measure = enable_module.profile
-        alone: list = []
-
-        def profile_skewed(*args, **kwargs):
-            measured = skewed(measure(*args, **kwargs), rank)
-            try:  # what this rank would choose on its own
-                alone.append(gradckpt.solve(measured, int(0.6 * measured.peak_bytes)).to_json())
-            except gradckpt.BudgetError:
-                alone.append(None)
-            return measured
-
-        enable_module.profile = profile_skewed
-        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
-        try:
-            plan = gradckpt.enable(tiny_llama(), {"input_ids": ids, "labels": ids},
-                                   budget=budget)
-            result = {"plan": plan.to_json(), "alone": alone[0]}
-        except gradckpt.BudgetError as error:
-            result = {"error": str(error), "minimum": error.minimum_bytes}
-        answer(out, rank, result)
-    finally:
-        dist.destroy_process_group()
+        plan = gradckpt.enable(tiny_llama(), {"input_ids": ids, "labels": ids},
+                               budget=budget)
+        result = {"plan": plan.to_json(), "alone": alone[0]}
+    except gradckpt.BudgetError as error:
+        result = {"error": str(error), "minimum": error.minimum_bytes}
+    answer(out, rank, result)
 
 
 

@@ -60,30 +60,27 @@ def local_gradients(model: torch.nn.Module, batches: list[dict], seed: int) -> d
 
 def worker(rank: int, port: int, out: str, case: str, accumulate: bool) -> None:
     join_group(rank, port)
-    try:
-        count = 2 if accumulate else 1
-        mine = micro_batches(rank, count)
-        # The reference: each rank's plain gradients (same seed, so the same dropout masks as
-        # the planned run below), averaged over ranks as DDP averages them.
-        reference = local_gradients(tiny_llama(), mine, seed=rank)
-        for gradient in reference.values():
-            dist.all_reduce(gradient)
-            gradient /= WORLD
-        model = tiny_llama()
-        plan = gradckpt.enable(model, mine[0], budget="70%")
-        ddp = DistributedDataParallel(model, **CASES[case])
-        torch.manual_seed(rank)
-        for index, batch in enumerate(mine):
-            last = index == len(mine) - 1
-            with ddp.no_sync() if not last else _nothing():
-                output = ddp(**batch)
-                output.loss.backward()
-        worst = max((p.grad - reference[name]).abs().max().item()
-                    for name, p in model.named_parameters())
-        result = {"worst": worst, "recomputed": len(plan.segments)}
-        answer(out, rank, result)
-    finally:
-        dist.destroy_process_group()
+    count = 2 if accumulate else 1
+    mine = micro_batches(rank, count)
+    # The reference: each rank's plain gradients (same seed, so the same dropout masks as
+    # the planned run below), averaged over ranks as DDP averages them.
+    reference = local_gradients(tiny_llama(), mine, seed=rank)
+    for gradient in reference.values():
+        dist.all_reduce(gradient)
+        gradient /= WORLD
+    model = tiny_llama()
+    plan = gradckpt.enable(model, mine[0], budget="70%")
+    ddp = DistributedDataParallel(model, **CASES[case])
+    torch.manual_seed(rank)
+    for index, batch in enumerate(mine):
+        last = index == len(mine) - 1
+        with ddp.no_sync() if not last else _nothing():
+            output = ddp(**batch)
+            output.loss.backward()
+    worst = max((p.grad - reference[name]).abs().max().item()
+                for name, p in model.named_parameters())
+    result = {"worst": worst, "recomputed": len(plan.segments)}
+    answer(out, rank, result)
 
 
 class _nothing:

@@ -67,27 +67,24 @@ def sharded_gradients(scenario: str, batch: dict, planned: bool) -> tuple[dict, 
 
 def worker(rank: int, port: int, out: str, scenario: str) -> None:
     join_group(rank, port)
-    try:
-        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
-        batch = {"input_ids": ids, "labels": ids}
-        planned, segments = sharded_gradients(scenario, batch, planned=True)
-        unplanned, _ = sharded_gradients(scenario, batch, planned=False)
-        result = {
-            "segments": segments,
-            "vs_unplanned": max((planned[n] - g).abs().max().item() for n, g in unplanned.items()),
-        }
-        if scenario != "mixed-precision":  # one process, fp32, averaged as FSDP averages
-            reference = tiny_llama()
-            reference(**batch).loss.backward()
-            worst = 0.0
-            for name, parameter in reference.named_parameters():
-                gradient = parameter.grad.clone()
-                dist.all_reduce(gradient)
-                worst = max(worst, (planned[name] - gradient / WORLD).abs().max().item())
-            result["vs_one_process"] = worst
-        answer(out, rank, result)
-    finally:
-        dist.destroy_process_group()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
+    batch = {"input_ids": ids, "labels": ids}
+    planned, segments = sharded_gradients(scenario, batch, planned=True)
+    unplanned, _ = sharded_gradients(scenario, batch, planned=False)
+    result = {
+        "segments": segments,
+        "vs_unplanned": max((planned[n] - g).abs().max().item() for n, g in unplanned.items()),
+    }
+    if scenario != "mixed-precision":  # one process, fp32, averaged as FSDP averages
+        reference = tiny_llama()
+        reference(**batch).loss.backward()
+        worst = 0.0
+        for name, parameter in reference.named_parameters():
+            gradient = parameter.grad.clone()
+            dist.all_reduce(gradient)
+            worst = max(worst, (planned[name] - gradient / WORLD).abs().max().item())
+        result["vs_one_process"] = worst
+    answer(out, rank, result)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

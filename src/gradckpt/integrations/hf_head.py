@@ -96,16 +96,19 @@ def _chunking_forward(module: nn.Module) -> Callable[..., Any]:
     # of a reference cycle, so the model is freed when its last user lets go, not at some later
     # garbage collection (under DDP, in the middle of whatever runs then).
     owner = weakref.ref(module)
-    signature = inspect.signature(type(module).forward.__get__(module))
+    # The class's function, called with the module: a bound method made here would hold the
+    # module, and one made per call is rebuilt by Dynamo as ``module.forward`` -- this wrapper
+    # again, recursing without end under torch.compile.
+    forward_of_class = type(module).forward
+    signature = inspect.signature(forward_of_class.__get__(module))
 
-    @functools.wraps(type(module).forward)
+    @functools.wraps(forward_of_class)
     def forward(*args: Any, **kwargs: Any) -> Any:
         module = owner()
         assert module is not None  # called through the module, which holds this function
-        original = type(module).forward.__get__(module)
         labels = _argument(signature, args, kwargs, "labels")
         if labels is None or not module.training or not torch.is_grad_enabled():
-            return original(*args, **kwargs)
+            return forward_of_class(module, *args, **kwargs)
         # Asked at each call: PEFT may have wrapped the planned head since (LoRA on lm_head);
         # the wrapper then computes each chunk's logits.
         head = module.get_output_embeddings()
@@ -114,7 +117,8 @@ def _chunking_forward(module: nn.Module) -> Callable[..., Any]:
         if chunks == 1 and isinstance(base, nn.Module):
             chunks = planned_head_chunks(base)
         if chunks == 1:
-            return original(*args, **kwargs)
+            return forward_of_class(module, *args, **kwargs)
+        original = functools.partial(forward_of_class, module)
         return _chunked_step(module, head, original, signature, args, kwargs, chunks)
 
     return forward
