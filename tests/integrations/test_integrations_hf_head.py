@@ -14,7 +14,8 @@ through backward, AdamW. Checked:
   train as an identical plain copy within float rounding (the largest differences measured are
   in ``FAMILY_TOLERANCES``);
 - what stays the model's own, bit for bit; ``num_items_in_batch`` and ``shift_labels``;
-- planning: ``profile.chunked_heads``, ``solve``/``enable``'s ``output_head``, the least
+- planning: ``profile.chunked_heads`` (and ``estimate``'s, to the byte), the memory table's
+  split of the chunked head, ``solve``/``enable``'s ``output_head``, the least
   budget fits as predicted, and a model whose logits the chunked loss would not repeat is
   offered no chunked head;
 - ``disable`` and bad requests.
@@ -33,6 +34,13 @@ from torch import nn
 
 import gradckpt
 from gradckpt.engine import planned_head_chunks
+from gradckpt.measure.memory_parts import (
+    HEAD_CHUNK,
+    HEAD_UNDIVIDED,
+    OUTPUT_HEAD,
+    memory_parts,
+    one_head_chunk_bytes,
+)
 from gradckpt.solvers.optimal import minimum_peak_bytes
 from gradckpt.toy_models import GPTConfig, TinyGPT
 
@@ -518,6 +526,71 @@ def test_plans_with_a_chunked_head_fit_and_are_predicted_on_each_family(build, w
         assert abs(peak.bytes - plan.predicted_peak_bytes) <= ALLOWANCE * peak.bytes, report
     finally:
         gradckpt.disable(model)
+
+
+CHUNKED_STEP_FIELDS = ("name", "chunks", "head_bytes", "head_gradient_bytes",
+                       "optimizer_step_bytes", "previous_output_bytes")
+# Predicted as the plain step's are: off by what the plain step's prediction is off (PEFT's
+# LoRA Llama: 49,152 B of the peak, 2,048 B outside the chain, estimated low), the head's
+# chunks adding nothing to it.
+OFF_AS_THE_PLAIN_STEP = ("other_peak_bytes", "peak_bytes")
+
+
+@pytest.mark.parametrize("build", [llama, lambda vocab: peft_llama(vocab=vocab)],
+                         ids=["llama", "peft-lora-llama"])
+def test_estimate_predicts_each_chunked_step_to_the_byte(build) -> None:
+    """``estimate`` runs the chunked steps on fake tensors: the same counts, and each step's
+    bytes equal to the measured ones (what ``gradckpt plan --estimate`` plans with); on Llama
+    every byte, with LoRA the chunked steps as far off as the plain step."""
+    batch = causal_batch(BIG_VOCAB)
+    measured = gradckpt.profile(build(BIG_VOCAB), batch, optimizer="adamw", repeats=1)
+    model = build(BIG_VOCAB)
+    predicted = gradckpt.estimate(model, batch, optimizer="adamw", device="this")
+
+    def steps(profile: gradckpt.Profile) -> list[tuple]:
+        return [tuple(getattr(head, field) for field in CHUNKED_STEP_FIELDS)
+                for head in profile.chunked_heads]
+
+    assert len(measured.chunked_heads) == 3
+    assert steps(predicted) == steps(measured)
+    for field in OFF_AS_THE_PLAIN_STEP:
+        plain_off = getattr(measured, field) - getattr(predicted, field)
+        assert [getattr(ours, field) + plain_off for ours in predicted.chunked_heads] == [
+            getattr(theirs, field) for theirs in measured.chunked_heads], field
+        if build is llama:
+            assert plain_off == 0, field
+    assert all(head.extra_seconds > 0 for head in predicted.chunked_heads)
+    plan = gradckpt.solve(predicted, least_budget(measured))  # the least: only chunks fit
+    assert plan.head_chunks > 1 and plan.predicted_peak_bytes <= least_budget(measured)
+    assert gradckpt.get_plan(model) is None  # estimate leaves the model as it was
+
+
+def test_a_chunked_plans_breakdown_shows_one_chunks_logits_apart() -> None:
+    """The plan's memory table splits the chunked head's part: one chunk's logits, loss and
+    their gradients (read from the measured counts' 1/k line), and the rest, which chunking
+    does not divide; a plain-head plan keeps the one head line."""
+    model, batch = big_vocabulary_llama(), causal_batch(BIG_VOCAB)
+    measured = gradckpt.profile(model, batch, repeats=1)
+    fewest, middle, most = measured.chunked_heads
+    # The head's bytes fall as a + b/k: the line through the fewest and the most chunks
+    # meets the middle count's measured bytes.
+    per_unit = (fewest.head_bytes - most.head_bytes) / (1 / fewest.chunks - 1 / most.chunks)
+    on_line = most.head_bytes + per_unit * (1 / middle.chunks - 1 / most.chunks)
+    assert on_line == pytest.approx(middle.head_bytes, rel=0.01)
+
+    plan = gradckpt.solve(measured, least_budget(measured))
+    parts = dict(memory_parts(model, measured, plan).parts)
+    head = measured.chunked_head(plan.head_chunks)
+    assert OUTPUT_HEAD not in parts
+    assert parts[HEAD_CHUNK] == one_head_chunk_bytes(measured, plan.head_chunks)
+    assert parts[HEAD_CHUNK] + parts.get(HEAD_UNDIVIDED, 0) == (
+        head.head_bytes - head.head_gradient_bytes)
+    # One chunk's float32 logits, made at least once: the part is at least their size.
+    one_chunks_logits = BATCH * SEQ * BIG_VOCAB * 4 / plan.head_chunks
+    assert one_chunks_logits <= parts[HEAD_CHUNK] <= 4 * one_chunks_logits
+    plain = gradckpt.solve(measured, minimum_peak_bytes(measured), output_head="plain")
+    plain_parts = dict(memory_parts(model, measured, plain).parts)
+    assert OUTPUT_HEAD in plain_parts and HEAD_CHUNK not in plain_parts
 
 
 def test_output_head_plain_never_chunks_even_where_only_chunks_fit() -> None:
