@@ -28,14 +28,18 @@ JSON_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_config(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("llama")
+def llama_config(folder: Path, vocab: int) -> Path:
+    """A two-layer Llama's config.json in ``folder``, with a vocabulary of ``vocab``."""
     transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     ).save_pretrained(folder)
     return folder / "config.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_config(tmp_path_factory) -> Path:
+    return llama_config(tmp_path_factory.mktemp("llama"), 128)
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +311,45 @@ def test_llama_3_8b_on_8_ranks_keeps_an_eighth_of_its_parameters_per_rank(tmp_pa
     assert parts[FSDP_GATHERED] > 0  # FSDP's buffers: sharding.py's model, tested there
     # Without checkpointing one process needs 107.86 GiB; sharded 8 ways, it fits an H100.
     assert rank["fits"] is True
+
+
+# --------------------------------------------------------------------------------------------
+# --output-head: the chunked loss forced, ruled out, or misspelt
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_vocabulary_config(tmp_path_factory) -> Path:
+    return llama_config(tmp_path_factory.mktemp("big-vocabulary"), 4096)
+
+
+def _plan_output_head(config: Path, choice: str, capsys) -> str:
+    assert main(["plan", str(config), "--estimate", "--device", "h100-80gb", "--batch", "2",
+                 "--seq", "64", "--output-head", choice]) == 0
+    return capsys.readouterr().out
+
+
+def test_output_head_chunked_computes_the_loss_in_chunks_and_lists_the_counts(
+        big_vocabulary_config, capsys):
+    out = _plan_output_head(big_vocabulary_config, "chunked", capsys)
+    assert "lm_head (output head)  recomputed: loss in " in out
+    assert "logits, loss and their gradients (the output head: one chunk at a time)" in out
+    options = out.split("the output head's loss in chunks (")[1].splitlines()[1]
+    assert options.count(" chunks ") == 3 and "; this plan: " in options
+    assert "this plan: the plain head" not in options
+
+
+def test_output_head_plain_keeps_the_logits_whole(big_vocabulary_config, capsys):
+    out = _plan_output_head(big_vocabulary_config, "plain", capsys)
+    assert "lm_head (output head)  kept: the logits whole" in out
+    assert "logits, loss and their gradients (the output head)" in out
+    assert "this plan: the plain head (logits whole)" in out
+
+
+def test_a_misspelt_output_head_is_a_usage_error_naming_the_choices(big_vocabulary_config,
+                                                                      capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", str(big_vocabulary_config), "--estimate", "--output-head", "chunk"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--output-head" in err and "'chunked'" in err and "'plain'" in err

@@ -109,7 +109,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from gradckpt.budget import format_bytes
     from gradckpt.measure.memory_parts import memory_parts
     from gradckpt.predict.devices import format_device
-    from gradckpt.report import memory_breakdown_table, part_label
+    from gradckpt.report import head_chunk_options, memory_breakdown_table, part_label
 
     spec = target_device(args.device)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
@@ -153,6 +153,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     print()
     print(memory_breakdown_table(memory, spec.memory_bytes))
     print(f"largest part: {part_label(largest, world_size)}, {format_bytes(parts[largest])}")
+    options = head_chunk_options(profile, plan.head_chunks)
+    if options:
+        print(options)
     print(fit_line(profile, plan, spec))
     print(
         f"Predicted on fake tensors for {_device_name(spec)}; times are rooflines (the fastest "

@@ -38,7 +38,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from gradckpt.budget import format_bytes
     from gradckpt.measure.memory_parts import OPTIMIZER_NAMES, memory_parts
-    from gradckpt.report import memory_breakdown_table
+    from gradckpt.report import head_chunk_options, memory_breakdown_table
     from gradckpt.solvers import solve
 
     if args.list:
@@ -87,6 +87,9 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     print()
     print(memory_breakdown_table(memory_parts(model, profile, plan, optimizer=optimizer)))
+    options = head_chunk_options(profile, plan.head_chunks)
+    if options:
+        print(options)
     if args.json:
         Path(args.json).write_text(plan.to_json())
         print(f"\nplan written to {args.json}")

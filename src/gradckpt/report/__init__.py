@@ -27,8 +27,15 @@ from __future__ import annotations
 import textwrap
 
 from ..budget import format_bytes
-from ..measure.memory_parts import GRADIENTS, OPTIMIZER_STATE, PARAMETERS, MemoryParts
+from ..measure.memory_parts import (
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    MemoryParts,
+    one_head_chunk_bytes,
+)
 from ..plan import plan_summary, plan_table
+from ..profile_types import Profile
 from ..tables import format_table
 from .plots import (
     FrontierDrawing,
@@ -50,6 +57,7 @@ __all__ = [
     "draw_memory_vs_depth",
     "format_table",
     "frontier_staircase",
+    "head_chunk_options",
     "part_label",
     "plan_table",
     "plan_summary",
@@ -144,3 +152,31 @@ def _share(part_bytes: int, whole_bytes: int) -> str:
         return "-"
     share = part_bytes / whole_bytes
     return "<1%" if 0 < share < 0.005 else f"{share:.0%}"
+
+
+def head_chunk_options(profile: Profile, head_chunks: int) -> str | None:
+    """The chunk counts the profile measured for the output head's loss, each with one chunk's
+    memory and its extra time, and which one the plan (``head_chunks``) takes: what a user
+    weighs against the plan's choice. None where the profile offers no chunked head.
+
+    Example:
+        >>> from gradckpt.profile_types import ChunkedHead, example_block
+        >>> def measured(chunks, head_bytes, seconds):
+        ...     return ChunkedHead("lm_head", chunks, head_bytes, 0, 0, 0, 0, 1000, seconds)
+        >>> profile = Profile([example_block()], 1500, 1000, 4.0,
+        ...                   chunked_heads=[measured(4, 3 * 2**28, 0.1),
+        ...                                  measured(16, 9 * 2**26, 0.4)])
+        >>> print(head_chunk_options(profile, 4))
+        the output head's loss in chunks (one chunk's logits, loss and gradients; extra time):
+          4 chunks 256.00 MiB +2.5%, 16 chunks 64.00 MiB +10.0%; this plan: 4 chunks
+    """
+    if not profile.chunked_heads:
+        return None
+    options = ", ".join(
+        f"{head.chunks} chunks {format_bytes(one_head_chunk_bytes(profile, head.chunks) or 0)} "
+        f"+{100 * head.extra_seconds / profile.step_seconds:.1f}%"
+        for head in profile.chunked_heads
+    )
+    chosen = f"{head_chunks} chunks" if head_chunks > 1 else "the plain head (logits whole)"
+    return ("the output head's loss in chunks (one chunk's logits, loss and gradients; extra "
+            f"time):\n  {options}; this plan: {chosen}")
