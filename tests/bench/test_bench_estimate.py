@@ -38,8 +38,12 @@ def test_quick_mode_gives_every_row_with_identical_gradients() -> None:
         (name, what) for name in ("llama", "cnn") for what in ("plain", "70%", "45%")
     ], done.stdout
     for model, what, cells in rows:
-        budget, estimated, measured, error, over, saved, gradients = cells
-        assert gradients == "identical", f"{model} {what}: gradients differ from the plain's"
+        budget, estimated, measured, error, over, saved = cells[:6]
+        gradients = " ".join(cells[6:])
+        # Bit for bit; a plan with the loss in chunks sums it in another order.
+        assert gradients == "identical" or (
+            gradients.startswith("within ") and gradients.endswith(" chunks)")
+        ), f"{model} {what}: gradients differ from the plain's: {gradients}"
         if what == "plain":
             assert (estimated, error, saved) == (measured, "+0.00%", "0.00%"), cells
         else:
