@@ -74,7 +74,7 @@ def test_a_model_on_the_meta_device_is_estimated_in_bf16() -> None:
 
 
 @pytest.mark.slow
-def test_an_8b_llama_config_estimates_in_under_a_minute_without_memory() -> None:
+def test_an_8b_llama_config_estimates_in_minutes_without_memory() -> None:
     pytest.importorskip("transformers")
     grown_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model = build_known_model("llama-3-8b", on_meta=True)  # Llama-3-8B's published config
@@ -83,7 +83,9 @@ def test_an_8b_llama_config_estimates_in_under_a_minute_without_memory() -> None
     start = time.perf_counter()
     predicted = gradckpt.estimate(model, {"input_ids": ids, "labels": ids}, device="h100-80gb",
                                   dtype=torch.bfloat16)
-    assert time.perf_counter() - start < 60
+    # A guard against a stall, not a benchmark: since the chunked head (issue 24) the estimate
+    # also runs the step for 3 chunk counts; 46-62 s on a quiet 2-core CI machine.
+    assert time.perf_counter() - start < 120
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - grown_before
     assert grown_kib < 4 * 2**20  # under 4 GiB (ru_maxrss is in KiB on Linux)
     assert len(predicted.blocks) == 32
