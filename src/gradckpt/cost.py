@@ -26,10 +26,12 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   measured for that block checkpointed alone (``checkpointed_backward_peak_bytes``), where
   measured, except as the last child of another segment, which that segment's recomputation
   runs through: then it is walked as above. A segment with a policy keeps its
-  blocks' matmul outputs from the first forward and recomputes only the rest; a one-block
-  segment's backward peak and extra time under the policy are measured too
-  (``policy_backward_peak_bytes``, ``policy_extra_seconds``), a longer one is walked as above
-  with each block's kept outputs counted from its first forward on (an upper bound);
+  blocks' outputs of the operations the policy names (``"save-matmuls"``: matmuls and
+  attention; ``"save-ops:..."``: those listed) from the first forward and recomputes only the
+  rest; a one-block segment's backward peak under the policy is measured too
+  (``policy_backward_peak_bytes``, ``BlockProfile.op_choices``; its time from measured ones,
+  ``gradckpt.op_choices.policy_cost``), a longer one is walked as above with each block's
+  kept outputs counted from its first forward on (an upper bound);
 - side inputs (``side_bytes``: an encoder output the decoder blocks save) are retained by the
   top-level item holding the block they are counted in, from its forward to its backward,
   whatever the plan; so are those no block saves (``held_side_bytes``: T5's position bias),
@@ -53,7 +55,8 @@ Example:
 from __future__ import annotations
 
 from .errors import UsageError
-from .plan import Plan, Segment
+from .op_choices import kept_operations, offloads, policy_cost
+from .plan import BlockBytes, Plan, Segment
 from .profile_types import Profile
 
 __all__ = [
@@ -91,7 +94,40 @@ def plan_for(
         estimated_for=profile.notes.get("estimated_for"),
         head_name=profile.chunked_heads[0].name if profile.chunked_heads else None,
         head_chunks=head_chunks,
+        block_bytes=block_bytes(step, segments),
     )
+
+
+def block_bytes(profile: Profile, segments: list[Segment]) -> list[BlockBytes]:
+    """Per block, what ``segments`` keep, recompute and offload of what it saves (the top
+    level's view: a nested segment's input is kept only while its parent is recomputed).
+    A block's input that it saves is counted once, with the segment holding it.
+
+    Example:
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> profile = Profile([example_block(f"h.{i}") for i in range(3)], 0, 0, 1.0)
+        >>> [(b.kept, b.recomputed) for b in block_bytes(profile, [Segment(0, 1)])]
+        [(10, 40), (0, 50), (50, 0)]
+    """
+    result = [BlockBytes(kept=block.saved_bytes, recomputed=0) for block in profile.blocks]
+    for segment in segments:
+        governed = set(_policy_blocks(segment)) if segment.policy else set()
+        for index in segment.blocks():
+            block = profile.blocks[index]
+            own_input = block.input_bytes if block.input_saved else 0
+            kept = block.input_bytes if index == segment.start else 0
+            kept_saved = own_input if index == segment.start else 0
+            offloaded = 0
+            if index in governed:
+                cost = policy_cost(block, segment.policy)
+                kept_saved += sum(block.saved_bytes_by_op.get(op, 0)
+                                  for op in kept_operations(segment.policy))
+                if offloads(segment.policy):
+                    offloaded = cost.kept_bytes
+                else:
+                    kept += cost.kept_bytes
+            result[index] = BlockBytes(kept, max(block.saved_bytes - kept_saved, 0), offloaded)
+    return result
 
 
 def as_planned(profile: Profile, plan: Plan) -> Profile:
@@ -245,11 +281,12 @@ class _Walk:
 
     def forward(
         self, items: list[int | Segment], retained: int, input_retained: bool, alive: int,
-        kept_by_policy: frozenset[int] = frozenset(), top: bool = False,
+        kept_by_policy: dict[int, int] | None = None, top: bool = False,
     ) -> tuple[int, int, list[int]]:
         """Run items forward. ``input_retained``: the first item's input is already counted in
         ``retained``; ``alive``: bytes alive throughout (a gradient waiting for this part);
-        ``kept_by_policy``: blocks whose matmul outputs are already retained; ``top``: the
+        ``kept_by_policy``: blocks whose policy's outputs are already retained, with their
+        bytes; ``top``: the
         chain's top level, whose items hold their blocks' side inputs (inside a segment's
         recomputation the segment holds them already).
         Returns retained after, the peak, and what each item added (released in backward)."""
@@ -262,7 +299,8 @@ class _Walk:
                 if top:  # the segment keeps its blocks' other inputs from its start on
                     added += sum(self.side[j] for j in item.blocks())
                 if item.policy is not None:
-                    added += sum(self.blocks[j].matmul_bytes for j in _policy_blocks(item))
+                    added += sum(policy_cost(self.blocks[j], item.policy).kept_bytes
+                                 for j in _policy_blocks(item))
                 retained += added
                 for j in item.blocks():
                     hidden = 0 if j == item.start else self.blocks[j].input_bytes
@@ -277,8 +315,8 @@ class _Walk:
                 peak = max(peak, alive + retained + hidden + block.forward_peak_bytes + side)
                 if input_retained and block.input_saved:
                     added -= block.input_bytes  # the same tensor, retained already
-                if item in kept_by_policy:
-                    added -= block.matmul_bytes  # kept from the first forward already
+                if kept_by_policy and item in kept_by_policy:
+                    added -= kept_by_policy[item]  # kept from the first forward already
                 retained += added
             added_per_item.append(added)
             # A kept block whose graph saves its output retains the next item's input.
@@ -296,9 +334,10 @@ class _Walk:
             if isinstance(item, Segment):
                 gradient = self.blocks[item.end].output_bytes
                 inner_items = _items(item.children, item.start, item.end)
-                policy_blocks = frozenset(_policy_blocks(item)) if item.policy else frozenset()
+                policies = {j: policy_cost(self.blocks[j], item.policy)
+                            for j in _policy_blocks(item)} if item.policy else {}
                 self.extra_seconds += sum(
-                    self.blocks[j].policy_recompute_seconds() if j in policy_blocks
+                    policies[j].extra_seconds if j in policies
                     else self.blocks[j].recompute_seconds()
                     for j in item.blocks()
                 )
@@ -315,7 +354,7 @@ class _Walk:
                     continue
                 inner_retained, inner_forward_peak, inner_added = self.forward(
                     inner_items, retained, True, gradient + self.gradients_after[item.end],
-                    policy_blocks,
+                    {j: cost.kept_bytes for j, cost in policies.items()},
                 )
                 inner_backward_peak, _ = self.backward(inner_items, inner_added, inner_retained,
                                                        segment_end=item.end)
@@ -334,7 +373,7 @@ def _segment_transient(blocks: list, segment: Segment, j: int) -> int:
     if segment.policy is None:
         return block.segment_forward_peak_bytes()  # saves nothing
     if _measured_backward_peak(blocks, segment) is not None:
-        return block.policy_transient_bytes()
+        return policy_cost(block, segment.policy).transient_bytes
     return block.forward_peak_bytes  # a longer policy segment: bounded
 
 
@@ -346,7 +385,7 @@ def _measured_backward_peak(blocks: list, segment: Segment) -> int | None:
     block = blocks[segment.start]
     if segment.policy is None:
         return block.checkpointed_backward_peak_bytes
-    return block.policy_backward_peak_bytes
+    return policy_cost(block, segment.policy).backward_peak_bytes
 
 
 def _policy_blocks(segment: Segment) -> list[int]:

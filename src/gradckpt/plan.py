@@ -27,7 +27,10 @@ from .errors import UsageError
 from .profile_types import Profile
 from .tables import format_table
 
-__all__ = ["Segment", "Plan", "head_fate", "plan_table", "plan_summary", "split_at_chain_breaks"]
+__all__ = [
+    "BlockBytes", "Segment", "Plan", "head_fate", "plan_table", "plan_summary", "policy_words",
+    "split_at_chain_breaks",
+]
 
 
 @dataclass
@@ -48,6 +51,18 @@ class Segment:
 
 
 @dataclass
+class BlockBytes:
+    """What a plan does with one block's activations, in bytes (``gradckpt.cost.block_bytes``):
+    ``kept`` from its forward to its backward (all it saves, for a kept block; its input and
+    the outputs its policy keeps, in a segment), ``recomputed`` in backward (what backward
+    needs and the plan dropped) and ``offloaded`` (moved to host memory meanwhile)."""
+
+    kept: int
+    recomputed: int
+    offloaded: int = 0
+
+
+@dataclass
 class Plan:
     """A solver's answer: the segments, and what they are predicted to cost.
 
@@ -61,6 +76,8 @@ class Plan:
       None when it found none; ``head_chunks``: how many pieces of tokens the plan computes
       that head and its loss in, each recomputed in backward (1: the plain head, the logits
       whole).
+    - ``block_bytes``: per block, what is kept, recomputed and offloaded (``BlockBytes``);
+      empty for a plan made by hand.
     """
 
     strategy: str
@@ -75,6 +92,7 @@ class Plan:
     estimated_for: str | None = None
     head_name: str | None = None
     head_chunks: int = 1
+    block_bytes: list[BlockBytes] = field(default_factory=list)
 
     def to_json(self) -> str:
         """The plan as a JSON string (``Plan.from_json`` reads it back)."""
@@ -100,6 +118,7 @@ class Plan:
         try:
             data = json.loads(text)
             data["segments"] = [_segment_from_dict(item) for item in data["segments"]]
+            data["block_bytes"] = [BlockBytes(**item) for item in data.get("block_bytes", [])]
             return cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise UsageError(f"not a gradckpt plan (JSON from Plan.to_json()): {error}") from None
@@ -152,15 +171,43 @@ def plan_table(plan: Plan) -> str:
             if depth:
                 where += f" (nested, level {depth + 1})"
             if segment.policy:
-                where += f", {segment.policy}"
+                where += f", {policy_words(segment.policy)}"
             if index == segment.start and depth == 0:
                 where += " (its input kept)"
             fates[index] = (f"{fates[index]}; " if depth else "recomputed: ") + where
+    headers = ["block", "what happens to its activations"]
     rows = [[name, fates[index]] for index, name in enumerate(plan.block_names)]
+    if len(plan.block_bytes) == len(rows):
+        headers += ["kept", "recomputed", "offloaded"]
+        for row, nbytes in zip(rows, plan.block_bytes, strict=True):
+            row += [_bytes_or_dash(nbytes.kept), _bytes_or_dash(nbytes.recomputed),
+                    _bytes_or_dash(nbytes.offloaded)]
     if plan.head_name is not None:
-        rows.append([f"{plan.head_name} (output head)", head_fate(plan)])
-    table = format_table(["block", "what happens to its activations"], rows, align="ll")
+        rows.append([f"{plan.head_name} (output head)", head_fate(plan)]
+                    + [""] * (len(headers) - 2))
+    table = format_table(headers, rows, align="l" * len(headers))
     return f"{table}\n{plan_summary(plan)}"
+
+
+def policy_words(policy: str) -> str:
+    """A segment's policy as the plan's table names it: ``"save-ops:..."`` as the operations it
+    keeps, without their namespace, attention kernels as "attention".
+
+    Example:
+        >>> policy_words("save-ops:aten._scaled_dot_product_flash_attention_for_cpu,aten.mean")
+        'keeps attention, mean'
+        >>> policy_words("save-matmuls")
+        'save-matmuls'
+    """
+    if not policy.startswith("save-ops:"):
+        return policy
+    names = policy.removeprefix("save-ops:").split(",")
+    words = ["attention" if "attention" in name else name.split(".", 1)[-1] for name in names]
+    return "keeps " + ", ".join(dict.fromkeys(words))
+
+
+def _bytes_or_dash(nbytes: int) -> str:
+    return format_bytes(nbytes) if nbytes else "-"
 
 
 def head_fate(plan: Plan) -> str:

@@ -21,12 +21,31 @@ from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["PLANNED_POLICY", "BlockProfile", "ChunkedHead", "Profile", "example_block"]
+__all__ = ["PLANNED_POLICY", "BlockProfile", "ChunkedHead", "OpChoice", "Profile", "example_block"]
 
 
 PLANNED_POLICY = "save-matmuls"  # a preset of gradckpt.engine.fates
 """The operation-level policy plans choose from: ``profile`` measures each block under it, and
 the optimal solver weighs a segment under it against recomputing everything."""
+
+
+@dataclass
+class OpChoice:
+    """The block checkpointed on its own keeping the outputs of some of its operations
+    (``policy``, ``"save-ops:..."``) and recomputing the rest, as ``profile`` measured it:
+
+    - ``kept_bytes``: the kept outputs (held from its forward until its recomputation).
+    - ``forward_share``: the share of its forward time that the kept operations take, which
+      recomputation saves (``gradckpt.op_choices`` turns it into seconds).
+    - ``forward_peak_bytes``, ``backward_peak_bytes``: as ``BlockProfile``'s
+      ``policy_forward_peak_bytes`` and ``policy_backward_peak_bytes`` for this policy.
+    """
+
+    policy: str
+    kept_bytes: int
+    forward_share: float
+    forward_peak_bytes: int
+    backward_peak_bytes: int
 
 
 @dataclass
@@ -50,6 +69,12 @@ class BlockProfile:
     - ``saved_bytes_by_op``, ``forward_seconds_by_op``: ``saved_bytes`` and ``forward_seconds``
       by the ATen operation that made them (``"aten.mm"``; ``"input"``: the block's input),
       largest first: what an op-level choice (keep this output, recompute that) weighs.
+    - ``kept_bytes_by_op``: what a policy keeping an operation's outputs (``"save-ops:..."``)
+      keeps of it in this block: the outputs of all its calls that a policy is asked about
+      (no views, no in-place operations). Operations whose outputs the block changes in place
+      are left out: keeping them would cost the engine a private copy.
+    - ``op_choices``: a few sets of operations to keep (``OpChoice``), measured: the ones
+      ``gradckpt.op_choices.menu_of`` finds worth it, which the optimal solver weighs.
     - ``gradient_bytes``: the gradients of its trainable parameters. They appear during its
       backward pass (inside ``backward_peak_bytes``) and stay until the step ends, so they weigh
       on the backward of every block before it.
@@ -114,6 +139,8 @@ class BlockProfile:
     gradient_bytes: int = 0
     saved_bytes_by_op: dict[str, int] = field(default_factory=dict)
     forward_seconds_by_op: dict[str, float] = field(default_factory=dict)
+    kept_bytes_by_op: dict[str, int] = field(default_factory=dict)
+    op_choices: list[OpChoice] = field(default_factory=list)
     policy_forward_peak_bytes: int | None = None
     policy_backward_peak_bytes: int | None = None
     policy_extra_seconds: float | None = None
@@ -407,7 +434,11 @@ class Profile:
         """Read a profile written by ``to_json``."""
         try:
             data = json.loads(text)
-            blocks = [BlockProfile(**block) for block in data.pop("blocks")]
+            blocks = [
+                BlockProfile(**{**block, "op_choices": [
+                    OpChoice(**choice) for choice in block.get("op_choices", [])]})
+                for block in data.pop("blocks")
+            ]
             heads = [ChunkedHead(**head) for head in data.pop("chunked_heads", [])]
             return cls(blocks=blocks, chunked_heads=heads, **data)
         except (json.JSONDecodeError, KeyError, TypeError) as error:

@@ -58,7 +58,19 @@ from .chunked_head import (
     vocabulary_size,
 )
 from .debug import debug_mode
-from .fates import Fate, Policy, PolicyLike, is_matmul_or_attention, offload_matmuls, save_matmuls
+from .fates import (
+    MATMUL_AND_ATTENTION_NAMES,
+    SAVE_OPS,
+    Fate,
+    Policy,
+    PolicyLike,
+    asks_policy,
+    is_matmul_or_attention,
+    offload_matmuls,
+    operations_kept_by,
+    save_matmuls,
+    save_ops_policy_name,
+)
 from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
 from .region import checkpoint
 from .segments import SegmentsHandle, checkpoint_segments, continues_chain
@@ -89,6 +101,11 @@ __all__ = [
     "Policy",
     "PolicyLike",
     "is_matmul_or_attention",
+    "asks_policy",
+    "SAVE_OPS",
+    "MATMUL_AND_ATTENTION_NAMES",
+    "save_ops_policy_name",
+    "operations_kept_by",
     "AUTO",
     "HeadChunking",
     "chunk_head",

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import CheckpointError, UsageError
 from .debug import _first_divergence, _user_frame
-from .fates import Fate, Policy
+from .fates import Fate, Policy, asks_policy
 from .offload import _Offloaded
 from .tensors import (
     _alias_sharing_version,
@@ -111,7 +111,7 @@ class _FatePerOpMode(TorchDispatchMode):
             self.log.append(f"{func}  ({_user_frame()})")
         if tape.policy is None:
             return func(*args, **kwargs)
-        if not _asks_policy(func):
+        if not asks_policy(func):
             if self.watched and func._schema.is_mutable and not self.recomputing:
                 with _engine_internal():
                     self.protect_inputs(args, kwargs)
@@ -256,8 +256,3 @@ def _is_query(op: torch._ops.OpOverload) -> bool:
     """
     schema = op._schema
     return not schema.is_mutable and not any("Tensor" in str(ret.type) for ret in schema.returns)
-
-
-def _asks_policy(op: torch._ops.OpOverload) -> bool:
-    # Views and in-place operations alias tensors that exist anyway: nothing to keep.
-    return not op.is_view and not op._schema.is_mutable

@@ -15,7 +15,10 @@ answers depend on how often it was called keeps different tensors each time.
 - ``Fate.OFFLOAD``: move it to CPU memory in the forward pass and bring it back when
   recomputation reaches it. For tensors already in CPU memory this is the same as ``KEEP``.
 
-The named presets below are what ``policy="save-matmuls"`` and friends resolve to.
+The named presets below are what ``policy="save-matmuls"`` and friends resolve to; a name
+``"save-ops:aten.mm,aten.silu"`` keeps the outputs of exactly the ATen operations it lists (by
+overload packet, as ``str(op.overloadpacket)`` names them) and recomputes the rest: the
+per-block choices that plans make (``gradckpt.op_choices``), written so a plan's JSON names them.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ ATTENTION_OPS = _packets(
 """Fused attention kernels behind ``torch.nn.functional.scaled_dot_product_attention``."""
 
 
+MATMUL_AND_ATTENTION_NAMES = frozenset(str(packet) for packet in MATMUL_OPS | ATTENTION_OPS)
+"""The same operations by name (``"aten.mm"``), as profiles and ``"save-ops:..."`` name them."""
+
+
 def is_matmul_or_attention(op: torch._ops.OpOverload) -> bool:
     """True for the expensive operations that ``save-matmuls`` keeps.
 
@@ -72,6 +79,16 @@ def is_matmul_or_attention(op: torch._ops.OpOverload) -> bool:
     """
     packet = op.overloadpacket
     return packet in MATMUL_OPS or packet in ATTENTION_OPS
+
+
+def asks_policy(op: torch._ops.OpOverload) -> bool:
+    """Whether a policy is asked about ``op``: not a view nor an in-place operation, whose
+    results alias tensors that exist anyway (nothing to keep).
+
+    >>> asks_policy(torch.ops.aten.mm.default), asks_policy(torch.ops.aten.add_.Tensor)
+    (True, False)
+    """
+    return not op.is_view and not op._schema.is_mutable
 
 
 def save_matmuls(op: torch._ops.OpOverload, output: torch.Tensor) -> Fate:
@@ -100,6 +117,42 @@ PRESETS: dict[str, Policy] = {
     "offload-matmuls": offload_matmuls,
 }
 
+SAVE_OPS = "save-ops:"
+"""The prefix of a policy name listing the operations to keep: ``"save-ops:aten.mm,aten.bmm"``."""
+
+
+def save_ops_policy_name(operations: list[str] | set[str] | frozenset[str]) -> str:
+    """The policy name that keeps the outputs of ``operations`` (in a fixed order).
+
+    >>> save_ops_policy_name({"aten.silu", "aten.mm"})
+    'save-ops:aten.mm,aten.silu'
+    """
+    return SAVE_OPS + ",".join(sorted(operations))
+
+
+def operations_kept_by(name: str) -> frozenset[str]:
+    """The operations a ``"save-ops:..."`` policy name keeps.
+
+    >>> sorted(operations_kept_by("save-ops:aten.mm,aten.silu"))
+    ['aten.mm', 'aten.silu']
+    """
+    listed = name[len(SAVE_OPS):] if name.startswith(SAVE_OPS) else ""
+    operations = frozenset(op for op in listed.split(",") if op)
+    if not operations or not all("." in op for op in operations):
+        raise UsageError(
+            f"policy {name!r} names no operations; write {SAVE_OPS!r} followed by ATen "
+            "operation names separated by commas, e.g. 'save-ops:aten.mm,aten.silu'"
+        )
+    return operations
+
+
+def _save_ops(operations: frozenset[str]) -> Policy:
+    def save_listed(op: torch._ops.OpOverload, output: torch.Tensor) -> Fate:
+        return Fate.KEEP if str(op.overloadpacket) in operations else Fate.RECOMPUTE
+
+    save_listed.__name__ = save_ops_policy_name(operations)
+    return save_listed
+
 
 def resolve_policy(policy: PolicyLike) -> Policy | None:
     """Turn what a user passed as ``policy=`` into a callable (or ``None`` = recompute all).
@@ -114,9 +167,12 @@ def resolve_policy(policy: PolicyLike) -> Policy | None:
     if isinstance(policy, str):
         if policy in PRESETS:
             return PRESETS[policy]
+        if policy.startswith(SAVE_OPS):
+            return _save_ops(operations_kept_by(policy))
         raise UsageError(
             f"unknown checkpoint policy {policy!r}; valid names are "
-            f"{', '.join(sorted(PRESETS))}, or pass None (recompute everything) "
+            f"{', '.join(sorted(PRESETS))}, '{SAVE_OPS}' followed by the ATen operations "
+            "to keep (e.g. 'save-ops:aten.mm'), or pass None (recompute everything) "
             "or a callable (op, output) -> gradckpt.Fate"
         )
     if callable(policy):

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import checkpoint_segments, first_tensor, storage_key
+from ..engine import checkpoint_segments, first_tensor, save_ops_policy_name, storage_key
 from ..errors import UsageError
-from ..profile_types import PLANNED_POLICY, BlockProfile
+from ..op_choices import menu_of
+from ..profile_types import PLANNED_POLICY, BlockProfile, OpChoice
 from .meter import MemoryMeter
 from .operations import operations_of
 from .recording import BlockCall
@@ -29,6 +30,7 @@ def measure_block(
     name: str, block: nn.Module, call: BlockCall, repeats: int, device: torch.device,
     gradient_bytes: int, forward_in_step: float | None, side_inputs: dict[int, int],
     like: tuple[BlockProfile, dict[int, int], TimeRatios] | None = None,
+    same_kind: BlockProfile | None = None,
 ) -> tuple[BlockProfile, dict[int, int], TimeRatios]:
     """Everything ``BlockProfile`` holds about one block but its side inputs' fields
     (``with_side_inputs`` fills those for the chain), re-run on its own from its call in the
@@ -42,7 +44,11 @@ def measure_block(
     ``like``: what a block expected to measure the same returned (``estimate``: an identical
     layer on fake tensors, timed by a modeled clock). Its first pass (the bytes saved, the
     peaks) is still measured; when that agrees, the rest (timings, operations, checkpointed
-    peaks: most of the passes) is taken from ``like``."""
+    peaks: most of the passes) is taken from ``like``.
+
+    ``same_kind``: a block measured before that computes the same (``timing.block_kind``):
+    where its operations kept the same bytes, its op-level choices are taken as they are
+    (the same policies, peaks measured once), so identical layers get identical menus."""
     parameter_storages = {storage_key(p) for p in block.parameters()}
     parameter_storages |= {storage_key(b) for b in block.buffers()}
 
@@ -122,7 +128,7 @@ def measure_block(
     policy_forward_peak, policy_backward_peak = _checkpointed_peaks(
         block, call, device, policy=PLANNED_POLICY
     )
-    return BlockProfile(
+    block_profile = BlockProfile(
         name=name,
         input_bytes=tensor_bytes(hidden),
         output_bytes=output_bytes,
@@ -136,6 +142,7 @@ def measure_block(
         matmul_bytes=operations.matmul_bytes,
         matmul_seconds=operations.matmul_share * forward_seconds,
         saved_bytes_by_op=operations.saved_bytes,
+        kept_bytes_by_op=operations.kept_bytes,
         forward_seconds_by_op={
             name: share * forward_seconds for name, share in operations.time_share.items()
         },
@@ -146,7 +153,26 @@ def measure_block(
         checkpointed_forward_peak_bytes=checkpointed_forward_peak,
         checkpointed_backward_peak_bytes=checkpointed_backward_peak,
         checkpointed_extra_seconds=ratios.median("checkpointed") * forward_seconds,
-    ), saved_sides, ratios
+    )
+    if same_kind is not None and same_kind.kept_bytes_by_op == block_profile.kept_bytes_by_op:
+        block_profile.op_choices = list(same_kind.op_choices)
+    else:
+        block_profile.op_choices = _measured_op_choices(block, call, device, block_profile)
+    return block_profile, saved_sides, ratios
+
+
+def _measured_op_choices(
+    block: nn.Module, call: BlockCall, device: torch.device, measured: BlockProfile
+) -> list[OpChoice]:
+    """The op-level choices worth weighing for this block (``op_choices.menu_of``), each run
+    checkpointed alone under its policy for its peaks (their times follow from the measured
+    ones: ``op_choices.policy_cost``)."""
+    choices = []
+    for operations, kept_bytes, share in menu_of(measured):
+        policy = save_ops_policy_name(operations)
+        forward_peak, backward_peak = _checkpointed_peaks(block, call, device, policy=policy)
+        choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak))
+    return choices
 
 
 def _checkpointed_peaks(

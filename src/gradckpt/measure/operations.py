@@ -1,6 +1,7 @@
 """A block's forward pass by ATen operation: the share of time each operation takes, the bytes
-saved for backward by the operation that made them, and the outputs of its matrix multiplies
-and attention kernels (what ``policy="save-matmuls"`` keeps)."""
+saved for backward by the operation that made them, the bytes a policy keeping an operation
+would keep (its outputs), and the outputs of its matrix multiplies and attention kernels (what
+``policy="save-matmuls"`` keeps)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..engine import is_matmul_or_attention, storage_key
+from ..engine import asks_policy, is_matmul_or_attention, storage_key
 from . import clock
 from .recording import BlockCall
 from .tensors import tensor_bytes
@@ -28,14 +29,33 @@ class _OpTimer(TorchDispatchMode):
         self.matmul_bytes = 0
         self.matmul_seconds = 0.0
         self.producer: dict[int, str] = {}  # storage -> the operation that made it
+        # What a policy keeping each operation would keep: the outputs of the calls the engine
+        # asks a policy about; and the operations whose outputs a later operation changes in
+        # place (keeping those costs the engine a private copy: not offered).
+        self.kept_bytes: dict[str, int] = {}
+        self.kept_by: dict[int, str] = {}  # storage -> the asked operation that made it
+        self.changed_in_place: set[str] = set()  # or sharing memory: not offered
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        for written in _written_arguments(func, args, kwargs):
+            if storage_key(written) in self.kept_by:
+                self.changed_in_place.add(self.kept_by[storage_key(written)])
         start = clock.now()
-        output = func(*args, **(kwargs or {}))
+        output = func(*args, **kwargs)
         elapsed = clock.now() - start
         name = str(func.overloadpacket)
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        if outputs and asks_policy(func):
+            if _storages(outputs) & _storages((args, kwargs)):
+                # Its outputs share memory with its arguments (``_unsafe_view`` of a matmul's
+                # output): keeping them would not add up with the others.
+                self.changed_in_place.add(name)
+            self.kept_bytes[name] = (self.kept_bytes.get(name, 0)
+                                     + sum(tensor_bytes(t) for t in outputs))
+            for tensor in outputs:
+                self.kept_by.setdefault(storage_key(tensor), name)
         for tensor in outputs:
             key = storage_key(tensor)
             if self.producer.get(key, "").startswith("aten.empty"):
@@ -56,6 +76,8 @@ class Operations:
     matmul_share: float  # their share of the forward time
     saved_bytes: dict[str, int]  # bytes saved for backward, by the operation that made them
     time_share: dict[str, float]  # share of the forward time, by operation
+    # outputs a policy keeping the operation keeps (``BlockProfile.kept_bytes_by_op``)
+    kept_bytes: dict[str, int]
 
 
 def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]) -> Operations:
@@ -85,4 +107,21 @@ def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]
         matmul_share=timer.matmul_seconds / total if total else 0.0,
         saved_bytes=dict(sorted(saved_by_op.items(), key=lambda item: -item[1])),
         time_share={name: seconds / total for name, seconds in by_time} if total else {},
+        kept_bytes={name: nbytes for name, nbytes in timer.kept_bytes.items()
+                    if name not in timer.changed_in_place},
     )
+
+
+def _storages(tree: object) -> set:
+    return {storage_key(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+
+
+def _written_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """The tensors ``func`` changes in place (its schema's written arguments, ``out=`` too)."""
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return written

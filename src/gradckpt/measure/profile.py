@@ -216,6 +216,7 @@ def profile(
         # On fake tensors timed by a modeled clock (estimate), identical blocks measure the
         # same: each one's first pass is checked against the first like it, the rest reused.
         alike: dict[Any, tuple[BlockProfile, dict[int, int], Any]] = {}
+        first_of_kind: dict[Any, BlockProfile] = {}  # whose op-level choices the others share
         for (name, module), call, gradient_bytes, forward_in_step, kind in zip(
             named_blocks, calls, _gradient_bytes(modules), in_step_forward, kinds, strict=True
         ):
@@ -226,8 +227,10 @@ def profile(
                 block, saved_sides, ratios = measure_block(
                     name, module, call, repeats, device, gradient_bytes, forward_in_step,
                     sides, like=alike.get(key) if clock.modeled() else None,
+                    same_kind=first_of_kind.get(kind),
                 )
             alike.setdefault(key, (block, saved_sides, ratios))
+            first_of_kind.setdefault(kind, block)
             measured.append(block)
             saved_side_inputs.append(saved_sides)
             time_ratios.append(ratios)

@@ -9,8 +9,9 @@ the previous step's output alive, in its forward). How a run's first input stand
 ``FRESH`` (not retained yet), ``HELD`` (retained by the kept block before it, its saved
 output, or a tensor of the sample) and ``OPENING`` (retained as the input of the segment whose
 recomputation the run opens). Both record what each run's first item is: ``KEEP`` (the block
-kept), ``POLICY`` (the block alone, a top-level segment under ``"save-matmuls"``) or, any
-other number j, the segment from the run's first block to block j.
+kept), ``POLICY - i`` (the block alone, a top-level segment under the i-th policy of its
+``menu``: ``"save-matmuls"``, then its measured op-level choices) or, any other number
+j >= 0, the segment from the run's first block to block j.
 
 Example:
     >>> from gradckpt.profile_types import Profile, example_block
@@ -27,13 +28,46 @@ import math
 from dataclasses import dataclass
 
 from ..cost import gradients_after, side_inputs_held
-from ..profile_types import BlockProfile, Profile
+from ..op_choices import policy_cost
+from ..profile_types import PLANNED_POLICY, BlockProfile, Profile
 
-__all__ = ["FRESH", "HELD", "OPENING", "KEEP", "POLICY", "ChainCosts", "SegmentCosts"]
+__all__ = [
+    "FRESH", "HELD", "OPENING", "KEEP", "POLICY", "ChainCosts", "MenuOption", "SegmentCosts",
+    "menu_choice", "menu_index",
+]
 
 FRESH, HELD, OPENING = "fresh", "held", "opening"
-# Negative, so that a segment's last block, 0..n-1, is a choice of its own.
+# Negative, so that a segment's last block, 0..n-1, is a choice of its own; POLICY - i is
+# the i-th option of a block's menu.
 KEEP, POLICY = -1, -2
+
+
+def menu_choice(index: int) -> int:
+    """The choice recorded for option ``index`` of a block's menu.
+
+    >>> menu_choice(0) == POLICY, menu_index(menu_choice(3))
+    (True, 3)
+    """
+    return POLICY - index
+
+
+def menu_index(choice: int) -> int:
+    """The menu option a recorded choice stands for (see ``menu_choice``)."""
+    return POLICY - choice
+
+
+@dataclass
+class MenuOption:
+    """Block s alone, a top-level segment under ``policy``: the bytes it keeps from its
+    forward, its extra seconds, and the peaks of its recomputation (the incoming gradient and
+    the gradients made before it alive: ``alive[s]`` included) and of its first forward, each
+    above what it retains (its input, side inputs and the kept outputs)."""
+
+    policy: str
+    kept_bytes: int
+    extra_seconds: float
+    peak: int
+    transient: int
 
 
 @dataclass
@@ -66,8 +100,9 @@ class ChainCosts:
         self.blocks: list[BlockProfile] = profile.blocks
         self.n = len(self.blocks)
         # Without matmuls and unmeasured, a block under the policy is its plain segment.
-        self.policies = any(b.matmul_bytes or b.matmul_seconds
-                            or b.policy_backward_peak_bytes is not None for b in self.blocks)
+        self.has_matmuls = any(b.matmul_bytes or b.matmul_seconds
+                               or b.policy_backward_peak_bytes is not None for b in self.blocks)
+        self.policies = self.has_matmuls  # or op-level choices (below)
         # While a run inside a segment ending at c is (re)computed in backward, c's output
         # gradient and every parameter gradient made before are alive.
         self.gradients_after = gradients_after(profile)
@@ -93,6 +128,36 @@ class ChainCosts:
         # index n, the head, never.
         self.held = [profile.input_held(s) for s in range(self.n)] + [False]
         self._segments: dict[int, SegmentCosts] = {}
+        self._menus: dict[int, list[MenuOption]] = {}
+        self.policies = self.policies or any(b.op_choices for b in self.blocks)
+
+    def menu(self, s: int) -> list[MenuOption]:
+        """The policies block s may run under alone at the top level: ``"save-matmuls"``
+        (where the chain has matmuls or measured it), then the op-level choices ``profile``
+        measured for it (``BlockProfile.op_choices``).
+
+        Example:
+            >>> from gradckpt.profile_types import Profile, example_block
+            >>> block = example_block(matmul_bytes=20, matmul_seconds=0.5)
+            >>> [(o.policy, o.kept_bytes, o.extra_seconds) for o in
+            ...  ChainCosts(Profile([block], 0, 0, 1.0)).menu(0)]
+            [('save-matmuls', 20, 0.5)]
+        """
+        if s in self._menus:
+            return self._menus[s]
+        block, menu = self.blocks[s], []
+        if self.has_matmuls:
+            costs = self.segments(s)
+            menu.append(MenuOption(PLANNED_POLICY, costs.matmul_bytes[0],
+                                   costs.policy_seconds[0], costs.policy_peak[0],
+                                   costs.policy_transient[0]))
+        for choice in block.op_choices:
+            cost = policy_cost(block, choice.policy)
+            menu.append(MenuOption(cost.policy, cost.kept_bytes, cost.extra_seconds,
+                                   self.alive[s] + (cost.backward_peak_bytes or 0),
+                                   cost.transient_bytes))
+        self._menus[s] = menu
+        return menu
 
     def end(self, column: int) -> int:
         """The last block of a run in ``column``.
@@ -243,4 +308,6 @@ class ChainCosts:
         """
         block = self.blocks[s]
         lowest = min(block.forward_peak_bytes, block.segment_forward_peak_bytes())
-        return min(lowest, block.policy_transient_bytes()) if self.policies else lowest
+        if not self.policies:
+            return lowest
+        return min(lowest, *(option.transient for option in self.menu(s)))

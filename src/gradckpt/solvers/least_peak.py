@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from ..cost import simulate
 from ..plan import Segment
-from ..profile_types import PLANNED_POLICY, Profile
-from .chain_costs import FRESH, KEEP, OPENING, POLICY, ChainCosts
+from ..profile_types import Profile
+from .chain_costs import FRESH, KEEP, OPENING, POLICY, ChainCosts, menu_choice, menu_index
 
 __all__ = ["lowest_peak_plan", "minimum_peak_bytes"]
 
@@ -115,11 +115,12 @@ class _LeastPeak:
                 plain = max(alive[c] + costs.transient[k], inner_peak, rest_peak)
                 option = (plain, j)
                 if chain.policies and k == 0 and c == n:
-                    policy = costs.matmul_bytes[k] + max(
-                        alive[c] + costs.policy_transient[k], costs.policy_peak[k], rest_peak
-                    )
-                    if policy < plain:
-                        option = (policy, POLICY)
+                    for index, choice in enumerate(chain.menu(s)):
+                        policy = choice.kept_bytes + max(
+                            alive[c] + choice.transient, choice.peak, rest_peak
+                        )
+                        if policy < option[0]:
+                            option = (policy, menu_choice(index))
                 side = chain.segment_side_bytes(s, j) if c == n else 0
                 if input_bytes + side + option[0] < best_after[c - s][0]:
                     best_after[c - s] = (input_bytes + side + option[0], option[1])
@@ -147,8 +148,8 @@ class _LeastPeak:
         what = table[s][column][1]
         if what == KEEP:
             return self._rebuild(s + 1, column, chain.start_after_keeping(s + 1))
-        if what == POLICY:
-            item = Segment(s, s, policy=PLANNED_POLICY)
+        if what <= POLICY:
+            item = Segment(s, s, policy=chain.menu(s)[menu_index(what)].policy)
         else:
             item = Segment(s, what, self._rebuild(s, what, OPENING))
         return [item, *self._rebuild(item.end + 1, column, FRESH)]

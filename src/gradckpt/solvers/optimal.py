@@ -5,10 +5,11 @@ install: any blocks kept, any runs of blocks checkpointed as segments (none acro
 break, ``Profile.chain_breaks``), segments nested inside segments to any depth (each child
 ending before its parent's last block: a parent's recomputation runs through to its end
 anyway, so a child ending there holds, measured, what its blocks kept would, and only adds
-its recomputation), and top-level one-block segments with
-``policy="save-matmuls"`` (``profile`` measures each block run that way, so those predictions
-are measured ones; a longer segment under the policy could only be bounded, and ``apply``
-refuses a policy on a nested segment). The answer is the plan of least predicted extra time
+its recomputation), and top-level one-block segments under each policy of the block's menu:
+``policy="save-matmuls"`` and the op-level choices ``"save-ops:..."`` of
+``gradckpt.op_choices`` (``profile`` measures each block run that way, so those peaks are
+measured ones; a longer segment under a policy could only be bounded, and ``apply`` refuses a
+policy on a nested segment). The answer is the plan of least predicted extra time
 whose predicted peak (``fixed_bytes`` + ``simulate``'s chain peak) fits the budget.
 
 How: the "rotor" dynamic program of Beaumont et al. ("Optimal checkpointing for heterogeneous
@@ -31,8 +32,9 @@ top level), filled from the last block back:
 Each entry is the least of: ``KEEP``, block s kept (its forward and backward fit in m), then the
 rest from s + 1 in m - saved; segment s..j, given as j (its first forward fits), its forward
 time + ``at_input[s, j, m']`` + ``after[j + 1, c, m']``, m' = m - input - its side inputs at
-the top level; ``POLICY`` (c = n), block s alone under the policy, its time + ``after[s + 1,
-n, m' - kept matmuls]`` where its peaks fit. Ties keep that order: KEEP, j upwards, POLICY.
+the top level; ``POLICY - i`` (c = n), block s alone under option i of its menu
+(``ChainCosts.menu``), its time + ``after[s + 1, n, m' - kept outputs]`` where its peaks fit.
+Ties keep that order: KEEP, j upwards, the menu in its order.
 
 Memory is counted in units (``memory_unit_bytes``): 1 byte when the room left for the chain is
 at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so each table stays
@@ -67,8 +69,8 @@ import torch
 
 from ..cost import simulate
 from ..plan import Segment
-from ..profile_types import PLANNED_POLICY, Profile
-from .chain_costs import FRESH, KEEP, OPENING, POLICY, ChainCosts
+from ..profile_types import Profile
+from .chain_costs import FRESH, KEEP, OPENING, POLICY, ChainCosts, menu_choice, menu_index
 from .chen_greedy import solve_chen_greedy
 from .least_peak import lowest_peak_plan, minimum_peak_bytes
 from .memory_levels import CHOICE_DTYPE, TIME_DTYPE, Choices, MemoryLevels
@@ -322,20 +324,22 @@ class _TimeTables:
                 row[first - low:].add_(cuts)
 
     def _offer_policy(self, segments: Choices, s: int) -> None:
-        """Block s alone under the policy, offered to the top-level run (``segments``' last
-        row): its recomputation's own peak, its first forward's, and the levels the outputs it
-        keeps and its side inputs take."""
+        """Block s alone under each policy of its menu, offered to the top-level run
+        (``segments``' last row): its recomputation's own peak, its first forward's, and the
+        levels the outputs it keeps and its side inputs take."""
         chain, n, levels = self.chain, self.chain.n, self.levels
-        costs = chain.segments(s)
         rest = self._after_rows[s + 1][n]
-        under_policy = rest + costs.policy_seconds[0]
-        exact = rest.double() + costs.policy_seconds[0]
-        peak = max(costs.policy_peak[0], chain.alive[n] + costs.policy_transient[0])
-        under_policy[: levels.units(peak)] = exact[: levels.units(peak)] = _INF
-        retained = (costs.matmul_bytes[0], chain.segment_side_bytes(s, s))
-        for nbytes in retained:  # rounded one by one, as the rebuild reads them
-            under_policy, exact = levels.shift(under_policy, nbytes), levels.shift(exact, nbytes)
-        segments.offer(under_policy[None], exact[None], POLICY, slice(-1, None))
+        for index, option in enumerate(chain.menu(s)):
+            under_policy = rest + option.extra_seconds
+            exact = rest.double() + option.extra_seconds
+            peak = max(option.peak, chain.alive[n] + option.transient)
+            under_policy[: levels.units(peak)] = exact[: levels.units(peak)] = _INF
+            retained = (option.kept_bytes, chain.segment_side_bytes(s, s))
+            for nbytes in retained:  # rounded one by one, as the rebuild reads them
+                under_policy = levels.shift(under_policy, nbytes)
+                exact = levels.shift(exact, nbytes)
+            segments.offer(under_policy[None], exact[None], menu_choice(index),
+                           slice(-1, None))
 
     # ----------------------------------------------------------------------------------------
     # Rebuild
@@ -386,12 +390,13 @@ class _TimeTables:
             added, _ = chain.kept(s, start != FRESH, top=top)
             return self._rebuild(s + 1, column, level - levels.units(added),
                                  chain.start_after_keeping(s + 1))
-        end = s if choice == POLICY else choice
+        end = s if choice <= POLICY else choice
         inner = level - (0 if start != FRESH else levels.units(chain.blocks[s].input_bytes))
         inner -= levels.units(chain.segment_side_bytes(s, end)) if top else 0
-        if choice == POLICY:
-            rest_level = inner - levels.units(chain.segments(s).matmul_bytes[0])
-            return [Segment(s, s, policy=PLANNED_POLICY),
+        if choice <= POLICY:
+            option = chain.menu(s)[menu_index(choice)]
+            rest_level = inner - levels.units(option.kept_bytes)
+            return [Segment(s, s, policy=option.policy),
                     *self._rebuild(s + 1, column, rest_level, FRESH)]
         children = self._rebuild(s, end, inner, OPENING)
         return [Segment(s, end, children), *self._rebuild(end + 1, column, inner, FRESH)]
