@@ -55,7 +55,7 @@ Example:
 from __future__ import annotations
 
 from .errors import UsageError
-from .op_choices import kept_operations, offloads, policy_cost
+from .op_choices import HOST_LINK, kept_by_policy, offload_offer, policy_cost
 from .plan import BlockBytes, Plan, Segment
 from .profile_types import Profile
 
@@ -95,6 +95,7 @@ def plan_for(
         head_name=profile.chunked_heads[0].name if profile.chunked_heads else None,
         head_chunks=head_chunks,
         block_bytes=block_bytes(step, segments),
+        offload=offload_offer(profile)[1],
     )
 
 
@@ -119,13 +120,11 @@ def block_bytes(profile: Profile, segments: list[Segment]) -> list[BlockBytes]:
             kept_saved = own_input if index == segment.start else 0
             offloaded = 0
             if index in governed:
-                cost = policy_cost(block, segment.policy)
-                kept_saved += sum(block.saved_bytes_by_op.get(op, 0)
-                                  for op in kept_operations(segment.policy))
-                if offloads(segment.policy):
-                    offloaded = cost.kept_bytes
-                else:
-                    kept += cost.kept_bytes
+                cost = policy_cost(block, segment.policy, profile.notes.get(HOST_LINK))
+                kept_saved += sum(nbytes for op, nbytes in block.saved_bytes_by_op.items()
+                                  if kept_by_policy(segment.policy, op))
+                kept += cost.kept_bytes
+                offloaded = cost.offloaded_bytes
             result[index] = BlockBytes(kept, max(block.saved_bytes - kept_saved, 0), offloaded)
     return result
 
@@ -277,6 +276,7 @@ class _Walk:
         self.side = side_inputs_held(profile, checkpointing)
         # Whether block i + 1's input is retained already when block i is kept before it.
         self.passes_input = [profile.input_held(i + 1) for i in range(len(self.blocks))]
+        self.host_link = profile.notes.get(HOST_LINK)
         self.extra_seconds = 0.0
 
     def forward(
@@ -299,13 +299,13 @@ class _Walk:
                 if top:  # the segment keeps its blocks' other inputs from its start on
                     added += sum(self.side[j] for j in item.blocks())
                 if item.policy is not None:
-                    added += sum(policy_cost(self.blocks[j], item.policy).kept_bytes
-                                 for j in _policy_blocks(item))
+                    added += sum(policy_cost(self.blocks[j], item.policy, self.host_link)
+                                 .kept_bytes for j in _policy_blocks(item))
                 retained += added
                 for j in item.blocks():
                     hidden = 0 if j == item.start else self.blocks[j].input_bytes
                     peak = max(peak, alive + retained + hidden
-                               + _segment_transient(self.blocks, item, j))
+                               + _segment_transient(self.blocks, item, j, self.host_link))
             else:
                 block = self.blocks[item]
                 hidden = 0 if input_retained else block.input_bytes
@@ -334,7 +334,7 @@ class _Walk:
             if isinstance(item, Segment):
                 gradient = self.blocks[item.end].output_bytes
                 inner_items = _items(item.children, item.start, item.end)
-                policies = {j: policy_cost(self.blocks[j], item.policy)
+                policies = {j: policy_cost(self.blocks[j], item.policy, self.host_link)
                             for j in _policy_blocks(item)} if item.policy else {}
                 self.extra_seconds += sum(
                     policies[j].extra_seconds if j in policies
@@ -344,7 +344,7 @@ class _Walk:
                 # A child ending where its segment ends is run through by the segment's
                 # recomputation and holds what its blocks kept would (measured: LoRA blocks
                 # 4.6% above the one-block measurement): walked as that, not as measured.
-                measured = (_measured_backward_peak(self.blocks, item)
+                measured = (_measured_backward_peak(self.blocks, item, self.host_link)
                             if item.end != segment_end else None)
                 if measured is not None:
                     # Exactly what profile ran: this block checkpointed alone.
@@ -367,17 +367,21 @@ class _Walk:
         return peak, retained
 
 
-def _segment_transient(blocks: list, segment: Segment, j: int) -> int:
+def _segment_transient(
+    blocks: list, segment: Segment, j: int, host_link: float | None
+) -> int:
     """The most block j holds above its input while segment's first forward runs it."""
     block = blocks[j]
     if segment.policy is None:
         return block.segment_forward_peak_bytes()  # saves nothing
-    if _measured_backward_peak(blocks, segment) is not None:
-        return policy_cost(block, segment.policy).transient_bytes
+    if _measured_backward_peak(blocks, segment, host_link) is not None:
+        return policy_cost(block, segment.policy, host_link).transient_bytes
     return block.forward_peak_bytes  # a longer policy segment: bounded
 
 
-def _measured_backward_peak(blocks: list, segment: Segment) -> int | None:
+def _measured_backward_peak(
+    blocks: list, segment: Segment, host_link: float | None = None
+) -> int | None:
     """A one-block segment's backward peak (recomputation included) is measured by
     ``profile``, with and without the policy; a longer one is walked block by block."""
     if segment.children or segment.start != segment.end:
@@ -385,7 +389,7 @@ def _measured_backward_peak(blocks: list, segment: Segment) -> int | None:
     block = blocks[segment.start]
     if segment.policy is None:
         return block.checkpointed_backward_peak_bytes
-    return policy_cost(block, segment.policy).backward_peak_bytes
+    return policy_cost(block, segment.policy, host_link).backward_peak_bytes
 
 
 def _policy_blocks(segment: Segment) -> list[int]:

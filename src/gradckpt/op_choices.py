@@ -28,19 +28,23 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .engine import (
     MATMUL_AND_ATTENTION_NAMES,
+    OFFLOAD_OPS,
     SAVE_OPS,
+    keeps_operation,
     operations_kept_by,
     save_ops_policy_name,
 )
-from .profile_types import PLANNED_POLICY, BlockProfile
+from .profile_types import PLANNED_POLICY, BlockProfile, Profile
 
 __all__ = [
-    "MENU_SIZE", "Choice", "PolicyCost", "is_op_choice", "kept_operations", "menu_of", "offloads",
-    "pareto_menu", "policy_cost", "spread",
+    "MENU_SIZE", "Choice", "PolicyCost", "is_op_choice", "kept_by_policy", "menu_of",
+    "HOST_CAP", "HOST_LINK", "offload_offer", "offloaded", "pareto_menu", "policy_cost",
+    "spread", "without_offload",
 ]
 
 MENU_SIZE = 5
@@ -60,6 +64,8 @@ class PolicyCost:
     - ``backward_peak_bytes``: its backward's peak, recomputation included, above its input,
       the kept outputs and the incoming gradient; ``None`` where not measured (the cost model
       then bounds it, walking the block as kept).
+    - ``offloaded_bytes``: outputs moved to host memory from its forward until its
+      recomputation (``"offload-ops:..."``), which the device does not hold meanwhile.
     """
 
     policy: str
@@ -67,6 +73,7 @@ class PolicyCost:
     extra_seconds: float
     transient_bytes: int
     backward_peak_bytes: int | None
+    offloaded_bytes: int = 0
 
 
 def pareto_menu(items: dict[str, tuple[int, float]]) -> list[Choice]:
@@ -151,10 +158,13 @@ def menu_of(block: BlockProfile) -> list[Choice]:
             if entry[0] != matmuls]
 
 
-def policy_cost(block: BlockProfile, policy: str) -> PolicyCost:
+def policy_cost(
+    block: BlockProfile, policy: str, host_link_bytes_per_second: float | None = None
+) -> PolicyCost:
     """What ``block`` checkpointed alone under ``policy`` costs: measured where ``profile``
     measured that policy (``"save-matmuls"``, the block's ``op_choices``), else bounded from
-    the plain numbers.
+    the plain numbers. ``"offload-ops:..."``: the same operations kept, priced as offloaded
+    over a host link of ``host_link_bytes_per_second`` (``offloaded``).
 
     Example:
         >>> from gradckpt.profile_types import example_block
@@ -163,6 +173,9 @@ def policy_cost(block: BlockProfile, policy: str) -> PolicyCost:
         >>> cost.kept_bytes, cost.extra_seconds, cost.backward_peak_bytes  # not measured
         (8, 1.0, None)
     """
+    if policy.startswith(OFFLOAD_OPS):
+        kept = policy_cost(block, SAVE_OPS + policy.removeprefix(OFFLOAD_OPS))
+        return offloaded(block, kept, host_link_bytes_per_second, policy)
     if policy in (PLANNED_POLICY, "offload-matmuls"):  # offloaded: priced as kept (bounded)
         return PolicyCost(policy, block.matmul_bytes, block.policy_recompute_seconds(),
                           block.policy_transient_bytes(), block.policy_backward_peak_bytes)
@@ -174,12 +187,90 @@ def policy_cost(block: BlockProfile, policy: str) -> PolicyCost:
                 name, choice.kept_bytes, _extra_seconds(block, choice.forward_share),
                 max(choice.forward_peak_bytes - choice.kept_bytes, 0), choice.backward_peak_bytes,
             )
-    kept = sum(block.kept_bytes_by_op.get(op, 0) for op in operations)
+    kept = sum(nbytes for op, nbytes in block.kept_bytes_by_op.items()
+               if keeps_operation(operations, op))
     total = sum(block.forward_seconds_by_op.values())
-    share = (sum(block.forward_seconds_by_op.get(op, 0.0) for op in operations) / total
-             if total else 0.0)
+    share = (sum(seconds for op, seconds in block.forward_seconds_by_op.items()
+                 if keeps_operation(operations, op)) / total if total else 0.0)
     # Unmeasured: its forward holds at most what the plain forward does (which saves more).
     return PolicyCost(name, kept, _extra_seconds(block, share), block.forward_peak_bytes, None)
+
+
+HOST_LINK = "host_link_bytes_per_second"
+"""``Profile.notes`` key: what one copy to or from pinned host memory moves per second on the
+profile's device (a GPU); offload is offered only where it is set."""
+HOST_CAP = "offload_host_bytes"
+"""``Profile.notes`` key: the most host memory a plan may offload to (None: not checked)."""
+
+
+def offload_offer(profile: Profile) -> tuple[float | None, str]:
+    """The host link a plan may offload over (None: offload not offered) and a sentence
+    saying so, or why not, for the plan's table.
+
+    Example:
+        >>> from gradckpt.profile_types import example_block
+        >>> link, why = offload_offer(Profile([example_block()], 0, 0, 1.0))
+        >>> link, why[:47]
+        (None, 'offload: not offered: the model runs on the CPU')
+    """
+    link = profile.notes.get(HOST_LINK)
+    if profile.device != "cuda":
+        return None, ("offload: not offered: the model runs on the CPU, whose memory is the "
+                      "host memory (moving tensors there would save nothing)")
+    if not link:
+        return None, ("offload: not offered: no host link figure for this device (give "
+                      f"profile.notes[{HOST_LINK!r}] in bytes per second)")
+    cap = profile.notes.get(HOST_CAP)
+    limit = "host memory not checked" if cap is None else f"at most {cap / 2**30:.1f} GiB of it"
+    return link, f"offload: offered over a host link of {link / 1e9:.1f} GB/s, {limit}"
+
+
+def without_offload(profile: Profile) -> Profile:
+    """``profile`` with offload not offered (its host link forgotten).
+
+    Example:
+        >>> from gradckpt.profile_types import example_block
+        >>> profile = Profile([example_block()], 0, 0, 1.0, notes={HOST_LINK: 1e9})
+        >>> without_offload(profile).notes[HOST_LINK] is None
+        True
+    """
+    return dataclasses.replace(profile, notes={**profile.notes, HOST_LINK: None})
+
+
+def offloaded(
+    block: BlockProfile, kept: PolicyCost, host_link_bytes_per_second: float | None,
+    policy: str,
+) -> PolicyCost:
+    """``kept`` (a choice keeping some outputs on the device) with those outputs offloaded
+    instead: the device holds none of them between the forward and the recomputation; the
+    forward holds them until their copies are done (its peak as kept, an upper bound: copies
+    run while it goes on) and the recomputation holds them again from its start (the engine
+    prefetches them all then, on a side stream). The copies cost time only where they outlast
+    what they overlap: to the host, the block's forward; back, its recomputation. Without a
+    host link (the CPU, where the engine keeps what it would offload): priced as ``kept``.
+
+    Example:
+        >>> from gradckpt.profile_types import example_block
+        >>> kept = PolicyCost("save-ops:aten.mm", 40, 0.5, 10, 20)
+        >>> cost = offloaded(example_block(forward_seconds=1.0), kept, 20.0,
+        ...                  "offload-ops:aten.mm")
+        >>> cost.kept_bytes, cost.offloaded_bytes, cost.transient_bytes, cost.backward_peak_bytes
+        (0, 40, 50, 60)
+        >>> cost.extra_seconds  # 2 s each way: 1 s exposed after the forward, 1.5 s after 0.5 s
+        3.0
+    """
+    if not host_link_bytes_per_second:
+        # On the CPU the engine keeps what it would offload (the memory is the same); on a
+        # GPU whose link is unknown, kept is the bound on memory.
+        return PolicyCost(policy, kept.kept_bytes, kept.extra_seconds, kept.transient_bytes,
+                          kept.backward_peak_bytes)
+    transfer = kept.kept_bytes / host_link_bytes_per_second
+    exposed = (max(0.0, transfer - block.forward_seconds)
+               + max(0.0, transfer - kept.extra_seconds))
+    backward = (None if kept.backward_peak_bytes is None
+                else kept.backward_peak_bytes + kept.kept_bytes)
+    return PolicyCost(policy, 0, kept.extra_seconds + exposed,
+                      kept.transient_bytes + kept.kept_bytes, backward, kept.kept_bytes)
 
 
 def _extra_seconds(block: BlockProfile, kept_share: float) -> float:
@@ -194,26 +285,17 @@ def _extra_seconds(block: BlockProfile, kept_share: float) -> float:
     return max(0.0, block.recompute_seconds() - kept_share * block.forward_seconds) + overhead
 
 
-def kept_operations(policy: str) -> frozenset[str]:
-    """The operations whose outputs ``policy`` keeps (or offloads), by name.
+def kept_by_policy(policy: str, name: str) -> bool:
+    """Whether ``policy`` keeps (or offloads) the outputs of the operation called ``name``.
 
-    >>> sorted(kept_operations("save-ops:aten.mean,aten.mm"))
-    ['aten.mean', 'aten.mm']
-    >>> "aten.mm" in kept_operations("save-matmuls")
+    >>> kept_by_policy("save-ops:aten.mean,aten.mm", "aten.mm")
     True
+    >>> kept_by_policy("save-matmuls", "aten.mean")
+    False
     """
     if policy in (PLANNED_POLICY, "offload-matmuls"):
-        return MATMUL_AND_ATTENTION_NAMES
-    return operations_kept_by(policy)
-
-
-def offloads(policy: str) -> bool:
-    """Whether ``policy`` moves what it keeps to host memory.
-
-    >>> offloads("offload-matmuls"), offloads("save-matmuls")
-    (True, False)
-    """
-    return policy.startswith("offload")
+        return name in MATMUL_AND_ATTENTION_NAMES
+    return keeps_operation(operations_kept_by(policy), name)
 
 
 def is_op_choice(policy: str | None) -> bool:

@@ -78,6 +78,8 @@ class Plan:
       whole).
     - ``block_bytes``: per block, what is kept, recomputed and offloaded (``BlockBytes``);
       empty for a plan made by hand.
+    - ``offload``: whether offloading was offered to the solver, and over what host link, or
+      why not (``gradckpt.op_choices.offload_offer``), in a sentence.
     """
 
     strategy: str
@@ -93,6 +95,7 @@ class Plan:
     head_name: str | None = None
     head_chunks: int = 1
     block_bytes: list[BlockBytes] = field(default_factory=list)
+    offload: str = ""
 
     def to_json(self) -> str:
         """The plan as a JSON string (``Plan.from_json`` reads it back)."""
@@ -186,24 +189,33 @@ def plan_table(plan: Plan) -> str:
         rows.append([f"{plan.head_name} (output head)", head_fate(plan)]
                     + [""] * (len(headers) - 2))
     table = format_table(headers, rows, align="l" * len(headers))
-    return f"{table}\n{plan_summary(plan)}"
+    offload = f"\n{plan.offload}" if plan.offload else ""
+    return f"{table}\n{plan_summary(plan)}{offload}"
 
 
 def policy_words(policy: str) -> str:
-    """A segment's policy as the plan's table names it: ``"save-ops:..."`` as the operations it
-    keeps, without their namespace, attention kernels as "attention".
+    """A segment's policy as the plan's table names it: ``"save-ops:..."`` (``"offload-ops:..."``)
+    as the operations it keeps (offloads), without their namespace, attention kernels as
+    "attention".
 
     Example:
         >>> policy_words("save-ops:aten._scaled_dot_product_flash_attention_for_cpu,aten.mean")
         'keeps attention, mean'
+        >>> policy_words("offload-ops:aten.mm")
+        'offloads mm'
         >>> policy_words("save-matmuls")
         'save-matmuls'
     """
-    if not policy.startswith("save-ops:"):
+    verb = next((verb for prefix, verb in _LISTING_POLICIES.items()
+                 if policy.startswith(prefix)), None)
+    if verb is None:
         return policy
-    names = policy.removeprefix("save-ops:").split(",")
+    names = policy.split(":", 1)[1].split(",")
     words = ["attention" if "attention" in name else name.split(".", 1)[-1] for name in names]
-    return "keeps " + ", ".join(dict.fromkeys(words))
+    return f"{verb} " + ", ".join(dict.fromkeys(words))
+
+
+_LISTING_POLICIES = {"save-ops:": "keeps", "offload-ops:": "offloads"}
 
 
 def _bytes_or_dash(nbytes: int) -> str:

@@ -17,8 +17,9 @@ answers depend on how often it was called keeps different tensors each time.
 
 The named presets below are what ``policy="save-matmuls"`` and friends resolve to; a name
 ``"save-ops:aten.mm,aten.silu"`` keeps the outputs of exactly the ATen operations it lists (by
-overload packet, as ``str(op.overloadpacket)`` names them) and recomputes the rest: the
-per-block choices that plans make (``gradckpt.op_choices``), written so a plan's JSON names them.
+overload packet, as ``str(op.overloadpacket)`` names them) and recomputes the rest, and
+``"offload-ops:..."`` offloads them: the per-block choices that plans make
+(``gradckpt.op_choices``), written so a plan's JSON names them.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ ATTENTION_OPS = _packets(
 """Fused attention kernels behind ``torch.nn.functional.scaled_dot_product_attention``."""
 
 
+_ATTENTION_NAMES = frozenset(str(packet) for packet in ATTENTION_OPS)
 MATMUL_AND_ATTENTION_NAMES = frozenset(str(packet) for packet in MATMUL_OPS | ATTENTION_OPS)
 """The same operations by name (``"aten.mm"``), as profiles and ``"save-ops:..."`` name them."""
 
@@ -119,39 +121,64 @@ PRESETS: dict[str, Policy] = {
 
 SAVE_OPS = "save-ops:"
 """The prefix of a policy name listing the operations to keep: ``"save-ops:aten.mm,aten.bmm"``."""
+OFFLOAD_OPS = "offload-ops:"
+"""The same listing the operations to offload to host memory (``Fate.OFFLOAD``)."""
 
 
-def save_ops_policy_name(operations: list[str] | set[str] | frozenset[str]) -> str:
-    """The policy name that keeps the outputs of ``operations`` (in a fixed order).
+ATTENTION = "attention"
+"""In a ``"save-ops:..."`` name: every fused attention kernel (``ATTENTION_OPS``), so that a
+plan made where one kernel runs (an estimate for a GPU, a CPU profile) keeps the attention
+output where another runs."""
+
+
+def save_ops_policy_name(
+    operations: list[str] | set[str] | frozenset[str], offload: bool = False
+) -> str:
+    """The policy name that keeps (``offload``: offloads) the outputs of ``operations`` (in a
+    fixed order), attention kernels named as one (``ATTENTION``).
 
     >>> save_ops_policy_name({"aten.silu", "aten.mm"})
     'save-ops:aten.mm,aten.silu'
+    >>> save_ops_policy_name({"aten._scaled_dot_product_flash_attention_for_cpu", "aten.mm"})
+    'save-ops:aten.mm,attention'
     """
-    return SAVE_OPS + ",".join(sorted(operations))
+    names = {ATTENTION if name in _ATTENTION_NAMES else name for name in operations}
+    return (OFFLOAD_OPS if offload else SAVE_OPS) + ",".join(sorted(names))
+
+
+def keeps_operation(operations: frozenset[str], name: str) -> bool:
+    """Whether a ``"save-ops:..."`` policy keeping ``operations`` keeps the outputs of the
+    operation called ``name`` (``"aten.mm"``).
+
+    >>> keeps_operation(frozenset({"attention"}), "aten._scaled_dot_product_flash_attention")
+    True
+    """
+    return name in operations or (ATTENTION in operations and name in _ATTENTION_NAMES)
 
 
 def operations_kept_by(name: str) -> frozenset[str]:
-    """The operations a ``"save-ops:..."`` policy name keeps.
+    """The operations a ``"save-ops:..."`` (or ``"offload-ops:..."``) policy name keeps.
 
     >>> sorted(operations_kept_by("save-ops:aten.mm,aten.silu"))
     ['aten.mm', 'aten.silu']
     """
-    listed = name[len(SAVE_OPS):] if name.startswith(SAVE_OPS) else ""
+    prefix = next((p for p in (SAVE_OPS, OFFLOAD_OPS) if name.startswith(p)), None)
+    listed = name[len(prefix):] if prefix else ""
     operations = frozenset(op for op in listed.split(",") if op)
-    if not operations or not all("." in op for op in operations):
+    if not operations or not all("." in op or op == ATTENTION for op in operations):
         raise UsageError(
-            f"policy {name!r} names no operations; write {SAVE_OPS!r} followed by ATen "
-            "operation names separated by commas, e.g. 'save-ops:aten.mm,aten.silu'"
+            f"policy {name!r} names no operations; write {prefix or SAVE_OPS!r} followed by "
+            "ATen operation names separated by commas, e.g. 'save-ops:aten.mm,aten.silu'"
         )
     return operations
 
 
-def _save_ops(operations: frozenset[str]) -> Policy:
-    def save_listed(op: torch._ops.OpOverload, output: torch.Tensor) -> Fate:
-        return Fate.KEEP if str(op.overloadpacket) in operations else Fate.RECOMPUTE
+def _listed_ops(operations: frozenset[str], fate: Fate) -> Policy:
+    def listed(op: torch._ops.OpOverload, output: torch.Tensor) -> Fate:
+        return fate if keeps_operation(operations, str(op.overloadpacket)) else Fate.RECOMPUTE
 
-    save_listed.__name__ = save_ops_policy_name(operations)
-    return save_listed
+    listed.__name__ = save_ops_policy_name(operations, offload=fate is Fate.OFFLOAD)
+    return listed
 
 
 def resolve_policy(policy: PolicyLike) -> Policy | None:
@@ -167,12 +194,14 @@ def resolve_policy(policy: PolicyLike) -> Policy | None:
     if isinstance(policy, str):
         if policy in PRESETS:
             return PRESETS[policy]
-        if policy.startswith(SAVE_OPS):
-            return _save_ops(operations_kept_by(policy))
+        if policy.startswith((SAVE_OPS, OFFLOAD_OPS)):
+            fate = Fate.OFFLOAD if policy.startswith(OFFLOAD_OPS) else Fate.KEEP
+            return _listed_ops(operations_kept_by(policy), fate)
         raise UsageError(
             f"unknown checkpoint policy {policy!r}; valid names are "
-            f"{', '.join(sorted(PRESETS))}, '{SAVE_OPS}' followed by the ATen operations "
-            "to keep (e.g. 'save-ops:aten.mm'), or pass None (recompute everything) "
+            f"{', '.join(sorted(PRESETS))}, '{SAVE_OPS}' or '{OFFLOAD_OPS}' followed by the "
+            "ATen operations to keep or offload (e.g. 'save-ops:aten.mm'), or pass None "
+            "(recompute everything) "
             "or a callable (op, output) -> gradckpt.Fate"
         )
     if callable(policy):

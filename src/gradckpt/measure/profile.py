@@ -46,6 +46,7 @@ from ..profile_types import BlockProfile, ChunkedHead, Profile
 from . import clock
 from .chain import resolve_blocks
 from .device import infer_device
+from .host_link import host_link_notes
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .one_block import measure_block
 from .optimizer_step import OptimizerStep, check_optimizer, measure_optimizer_step
@@ -325,6 +326,7 @@ def _assemble(
         blocks, memory, fixed, retained, counted_by_blocks_bytes
     )
     measured.notes["chain_backward_start_bytes"] = memory.chain_backward_start
+    measured.notes.update(host_link_notes(device))
     measured.notes["measured_phase_peaks"] = dict(memory.highest)
     return measured
 

@@ -35,7 +35,7 @@ from ..measure.tensors import tensor_bytes
 from ..profile_types import Profile
 from .attention import TargetAttention
 from .clock import ModeledClock
-from .devices import DeviceSpec, device_spec
+from .devices import DeviceSpec, device_spec, host_link_bytes_per_second
 from .per_rank import BLOCK_PARAMETERS, shard
 
 __all__ = ["estimate"]
@@ -144,6 +144,7 @@ def estimate(
     predicted.notes["attention"] = _attention_note(clock, target, spec)
     predicted.notes.update(
         estimated_for=spec.name,
+        host_link_bytes_per_second=host_link_bytes_per_second(spec.name),
         memory_parts=parts,
         largest_part=max(parts, key=parts.get),
         device_usable_bytes=spec.memory_bytes - parts.get(CUDA_RESERVE, 0),

@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 
 from ..cost import gradients_after, side_inputs_held
-from ..op_choices import policy_cost
+from ..engine import OFFLOAD_OPS, SAVE_OPS
+from ..op_choices import offload_offer, offloaded, policy_cost
 from ..profile_types import PLANNED_POLICY, BlockProfile, Profile
 
 __all__ = [
@@ -129,12 +130,14 @@ class ChainCosts:
         self.held = [profile.input_held(s) for s in range(self.n)] + [False]
         self._segments: dict[int, SegmentCosts] = {}
         self._menus: dict[int, list[MenuOption]] = {}
+        self.host_link, _ = offload_offer(profile)
         self.policies = self.policies or any(b.op_choices for b in self.blocks)
 
     def menu(self, s: int) -> list[MenuOption]:
         """The policies block s may run under alone at the top level: ``"save-matmuls"``
         (where the chain has matmuls or measured it), then the op-level choices ``profile``
-        measured for it (``BlockProfile.op_choices``).
+        measured for it (``BlockProfile.op_choices``), each followed, where the profile's
+        device has a host link (``op_choices.offload_offer``), by the same outputs offloaded.
 
         Example:
             >>> from gradckpt.profile_types import Profile, example_block
@@ -153,9 +156,13 @@ class ChainCosts:
                                    costs.policy_transient[0]))
         for choice in block.op_choices:
             cost = policy_cost(block, choice.policy)
-            menu.append(MenuOption(cost.policy, cost.kept_bytes, cost.extra_seconds,
-                                   self.alive[s] + (cost.backward_peak_bytes or 0),
-                                   cost.transient_bytes))
+            costs = [cost]
+            if self.host_link:  # the same outputs offloaded instead (GPU targets only)
+                costs.append(offloaded(block, cost, self.host_link,
+                                       OFFLOAD_OPS + cost.policy.removeprefix(SAVE_OPS)))
+            menu += [MenuOption(c.policy, c.kept_bytes, c.extra_seconds,
+                                self.alive[s] + (c.backward_peak_bytes or 0), c.transient_bytes)
+                     for c in costs]
         self._menus[s] = menu
         return menu
 

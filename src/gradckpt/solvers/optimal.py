@@ -67,7 +67,8 @@ import math
 
 import torch
 
-from ..cost import simulate
+from ..cost import block_bytes, simulate
+from ..op_choices import HOST_CAP, without_offload
 from ..plan import Segment
 from ..profile_types import Profile
 from .chain_costs import FRESH, KEEP, OPENING, POLICY, ChainCosts, menu_choice, menu_index
@@ -99,6 +100,8 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
 
     No segments when the model fits without checkpointing (or ``budget_bytes`` is ``None``);
     when nothing fits, the plan with the lowest peak (``solve`` then raises ``BudgetError``).
+    A plan offloading more than the host may take (``op_choices.HOST_CAP``) is solved again
+    without offloading.
 
     Example:
         >>> from gradckpt.profile_types import Profile, example_block
@@ -110,6 +113,15 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
     """
     if budget_bytes is None or profile.fixed_bytes + simulate(profile, [])[0] <= budget_bytes:
         return []
+    segments = _fastest_fitting(profile, budget_bytes)
+    cap = profile.notes.get(HOST_CAP)
+    if cap is not None and sum(b.offloaded for b in block_bytes(profile, segments)) > cap:
+        # The tables count no host memory: above the cap, the plan without offloading.
+        segments = _fastest_fitting(without_offload(profile), budget_bytes)
+    return segments
+
+
+def _fastest_fitting(profile: Profile, budget_bytes: int) -> list[Segment]:
     room_bytes = budget_bytes - profile.fixed_bytes
     candidates = []
     tables = None

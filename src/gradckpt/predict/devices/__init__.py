@@ -34,11 +34,14 @@ from typing import Any
 import torch
 
 from ...errors import UsageError, did_you_mean
-from .presets import ALIASES, DEVICES
+from .presets import ALIASES, DEVICES, HOST_LINKS, host_link_bytes_per_second
 from .spec import GIB, GIGA, TERA, DeviceSpec
 from .this_machine import THIS, _this_device
 
-__all__ = ["ALIASES", "DEVICES", "THIS", "DeviceSpec", "device_spec", "format_device"]
+__all__ = [
+    "ALIASES", "DEVICES", "HOST_LINKS", "THIS", "DeviceSpec", "device_spec", "format_device",
+    "host_link_bytes_per_second",
+]
 
 
 def device_spec(

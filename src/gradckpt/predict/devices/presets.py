@@ -15,7 +15,7 @@ import torch
 
 from .spec import GIB, GIGA, TERA, DeviceSpec
 
-__all__ = ["ALIASES", "DEVICES"]
+__all__ = ["ALIASES", "DEVICES", "HOST_LINKS", "host_link_bytes_per_second"]
 
 def _preset(
     name: str,
@@ -187,3 +187,33 @@ ALIASES: dict[str, str] = {
     "rtx-4090-24gb": "rtx4090-24gb",
 }
 
+
+# The link between each GPU and its host's memory, for offloading: the datasheet's PCIe figure
+# (both directions together), with its source. A copy runs one way at a time, at half of it;
+# pinned-memory copies reach about 80% of that in NVIDIA's bandwidthTest on Gen4 and Gen5
+# hosts (about 25 of 32 GB/s, 50 of 64 GB/s), the figure the cost model uses
+# (``host_link_bytes_per_second``). bench/device_check.sh measures it where a GPU is at hand.
+_GEN5 = (128, "PCIe Gen5 x16: 128 GB/s, the vendor's datasheet (both directions)")
+_GEN4 = (64, "PCIe Gen4 x16: 64 GB/s, the vendor's datasheet (both directions)")
+HOST_LINKS: dict[str, tuple[float, str]] = {
+    "h100-80gb": _GEN5, "h100-pcie-80gb": _GEN5, "h200-141gb": _GEN5,
+    "a100-80gb": _GEN4, "a100-40gb": _GEN4, "l4-24gb": _GEN4,
+    "rtx4090-24gb": (64, "PCIe Gen4 x16: 64 GB/s, the PCIe 4.0 specification (both directions)"),
+}
+PINNED_COPY_SHARE = 0.8  # of one direction's datasheet rate, reached by pinned copies
+
+
+def host_link_bytes_per_second(name: str) -> float | None:
+    """What one copy between the GPU ``name`` and pinned host memory moves per second, or
+    None for a device without a known host link (a CPU, or a GPU given by numbers).
+
+    Example:
+        >>> host_link_bytes_per_second("h100-80gb") / 1e9  # Gen5: 64 GB/s one way, 80% of it
+        51.2
+        >>> host_link_bytes_per_second("this") is None
+        True
+    """
+    if name not in HOST_LINKS:
+        return None
+    both_ways_gb_per_second, _ = HOST_LINKS[name]
+    return both_ways_gb_per_second / 2 * GIGA * PINNED_COPY_SHARE
