@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks that CI (no GPU) cannot run, as one script for a session that is lent a GPU
 # machine: the engine's CUDA tests (RNG replay on the device, offload through side streams,
-# max_memory_allocated lower with offload), the budget watch (gradckpt.budget_watch: a step
+# max_memory_allocated lower with offload), planned offload (the host link, a plan offloading
+# op outputs: its peak against the prediction, its step time), the budget watch (gradckpt.budget_watch: a step
 # over its budget warns, one within does not; measured peaks against the plan's prediction
 # with AdamW), then bench/engine.py and bench/frontier.py on the GPU. Everything it prints is
 # also written to $OUT (or ./device-check/) so the figures can be copied into docs/.
@@ -148,6 +149,81 @@ PY
 }
 budget_watch_check 2>&1 | tee "$out/budget_watch_cuda.txt" || status=1
 [ "$only" = budget ] && exit $status
+
+# Offload as a planned fate (issue 25): the host link profile measures, a plan whose blocks
+# offload op outputs ("offload-ops:..."), max_memory_allocated of its steps against the plan's
+# prediction, its step time against the same plan keeping them, gradients against plain.
+offload_check() {
+"$python" - <<'PY'
+import time
+
+import torch
+
+import gradckpt
+from gradckpt.budget import format_bytes
+from gradckpt.cost import simulate
+from gradckpt.op_choices import HOST_LINK
+from gradckpt.plan import Segment
+from gradckpt.toy_models import GPTConfig, TinyGPT
+
+device = torch.device("cuda")
+torch.manual_seed(0)
+config = GPTConfig(n_layer=8, n_embd=1024, n_head=16, block_size=1024, dropout=0.1)
+model = TinyGPT(config).to(device).train()
+idx = torch.randint(0, config.vocab_size, (8, 1024), device=device)
+sample = {"idx": idx, "targets": idx}
+profile = gradckpt.profile(model, sample)
+link = profile.notes.get(HOST_LINK)
+print(f"host link measured: {link / 1e9:.1f} GB/s" if link else "host link: NOT measured")
+choices = profile.blocks[0].op_choices
+if not choices:
+    raise SystemExit("FAIL: no op-level choices measured")
+policy = choices[len(choices) // 2].policy
+n = len(profile.blocks)
+
+
+def step_times(segments, steps=6):
+    plan = gradckpt.plan.Plan("hand", None, segments, 0, 0.0, 0.0,
+                              [b.name for b in profile.blocks])
+    gradckpt.apply(model, plan)
+    torch.cuda.synchronize()
+    peaks, times = [], []
+    for _ in range(steps):
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        torch.manual_seed(1)
+        model(**sample).backward()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        peaks.append(torch.cuda.max_memory_allocated())
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    gradckpt.disable(model)
+    return peaks, sorted(times)[len(times) // 2], grads
+
+
+failures = 0
+_, plain_time, plain_grads = step_times([])
+for fate in ("save-ops:", "offload-ops:"):
+    segments = [Segment(i, i, policy=fate + policy.split(":", 1)[1]) for i in range(n)]
+    peaks, seconds, grads = step_times(segments)
+    predicted = profile.fixed_bytes + simulate(profile, segments)[0]
+    same = all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    print(f"{fate}{policy.split(':', 1)[1]} on every block: max_memory_allocated "
+          f"{format_bytes(max(peaks[1:]))}, predicted {format_bytes(predicted)} "
+          f"({max(peaks[1:]) / predicted - 1:+.2%}); step {seconds * 1e3:.1f} ms "
+          f"({seconds / plain_time:.3f}x plain); gradients "
+          f"{'identical' if same else 'DIFFERENT'}")
+    failures += not same
+try:
+    plan = gradckpt.solve(profile, int(profile.peak_bytes * 0.5), "optimal")
+except gradckpt.BudgetError as error:
+    plan = gradckpt.solve(profile, error.minimum_bytes, "optimal")
+print(plan)
+raise SystemExit(1 if failures else 0)
+PY
+}
+offload_check 2>&1 | tee "$out/offload_cuda.txt" || status=1
 
 "$python" -m pytest -q -m cuda tests/ 2>&1 | tee "$out/cuda_tests.txt" || status=1
 "$python" bench/engine.py --device cuda --layers 12 --embd 1024 --heads 16 --batch 8 --seq 1024 \
