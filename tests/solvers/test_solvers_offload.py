@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 from hf_models import causal_sample, tiny_llama
+from test_solvers_strategies import all_plans
 
 import gradckpt
 from gradckpt.cost import block_bytes, simulate
@@ -136,29 +137,13 @@ def test_a_fast_link_makes_offloading_the_answer_where_keeping_does_not_fit() ->
 # ------------------------------------------------------------------------------------------
 
 
-def every_plan(start: int, end: int, policies: tuple, top: bool = True):
-    """Every plan over blocks start..end, as tests/solvers/test_solvers_strategies.py's
-    ``all_plans``: blocks kept or in segments nested to any depth, each top-level one-block
-    segment under each of ``policies``."""
-    if start > end:
-        yield []
-        return
-    yield from every_plan(start + 1, end, policies, top=top)
-    for segment_end in range(start, end + 1 if top else end):
-        for children in every_plan(start, segment_end, policies, top=False):
-            one_block = segment_end == start and not children
-            for policy in policies if one_block and top else (None,):
-                for rest in every_plan(segment_end + 1, end, policies, top=top):
-                    yield [Segment(start, segment_end, children, policy), *rest]
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_optimal_with_offload_equals_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     n = rng.randint(1, 3)
     profile = gpu_profile(n, link=rng.choice([5.0, 50.0, 1e4]), seed=seed)
     outcomes = [simulate(profile, plan) for plan in
-                every_plan(0, n - 1, (None, MM, "offload-ops:aten.mm"))]
+                all_plans(0, n - 1, (None, MM, "offload-ops:aten.mm"))]
     least = min(peak for peak, _ in outcomes)
     assert minimum_peak_bytes(profile) == FIXED + least
     for room in sorted({peak for peak, _ in outcomes}):

@@ -134,7 +134,8 @@ def all_plans(start: int, end: int, policies: tuple, top: bool = True):
     depth (each child ending before its parent's last block), each top-level one-block segment
     with each policy (the solver's option space: ``apply`` refuses a policy on a segment with
     children or inside another, and only one-block segments have their policy costs
-    measured). ``top=False``: the children of a segment ending at ``end``."""
+    measured). ``policies``: a tuple, or a function of the block giving its own (its menu).
+    ``top=False``: the children of a segment ending at ``end``."""
     if start > end:
         yield []
         return
@@ -142,7 +143,8 @@ def all_plans(start: int, end: int, policies: tuple, top: bool = True):
     for segment_end in range(start, end + 1 if top else end):
         for children in all_plans(start, segment_end, policies, top=False):
             one_block = segment_end == start and not children
-            for policy in policies if one_block and top else (None,):
+            options = policies(start) if callable(policies) else policies
+            for policy in options if one_block and top else (None,):
                 for rest in all_plans(segment_end + 1, end, policies, top=top):
                     yield [Segment(start, segment_end, children, policy), *rest]
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..engine import asks_policy, is_matmul_or_attention, storage_key
+from ..engine import asks_policy, first_tensor, is_matmul_or_attention, storage_key
 from . import clock
 from .recording import BlockCall
 from .tensors import tensor_bytes
@@ -34,6 +34,9 @@ class _OpTimer(TorchDispatchMode):
         # place (keeping those costs the engine a private copy: not offered).
         self.kept_bytes: dict[str, int] = {}
         self.kept_by: dict[int, str] = {}  # storage -> the asked operation that made it
+        # Those storages held until the pass ends: a freed storage's key can come back for a
+        # new one (the block's output once looked made by an RMSNorm ``mean`` before it).
+        self.held: list[torch.UntypedStorage] = []
         self.changed_in_place: set[str] = set()  # or sharing memory: not offered
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -55,7 +58,10 @@ class _OpTimer(TorchDispatchMode):
             self.kept_bytes[name] = (self.kept_bytes.get(name, 0)
                                      + sum(tensor_bytes(t) for t in outputs))
             for tensor in outputs:
-                self.kept_by.setdefault(storage_key(tensor), name)
+                key = storage_key(tensor)
+                if key is not None and key not in self.kept_by:
+                    self.kept_by[key] = name
+                    self.held.append(tensor.untyped_storage())
         for tensor in outputs:
             key = storage_key(tensor)
             if self.producer.get(key, "").startswith("aten.empty"):
@@ -95,7 +101,13 @@ def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]
 
     # With grad, as in training: kernels can differ without it.
     with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t), _OpTimer() as timer:
-        block(*args, **kwargs)
+        output = first_tensor(block(*args, **kwargs))
+    # The block's output is the next item's input, retained by it whatever this block keeps:
+    # not among what keeping its operation adds (counted twice, a choice keeping a Llama
+    # layer's residual add came out one hidden state high).
+    if output is not None and storage_key(output) in timer.kept_by:
+        name = timer.kept_by[storage_key(output)]
+        timer.kept_bytes[name] -= tensor_bytes(output)
     total = sum(timer.seconds.values())
     saved_by_op: dict[str, int] = {}
     for key, nbytes in saved.items():
