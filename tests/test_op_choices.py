@@ -242,27 +242,26 @@ def test_save_matmuls_costs_what_the_block_says(measured: bool) -> None:
 
 @pytest.mark.parametrize("name", ["save-ops:aten.mean,aten.mm", "save-ops:aten.mm,aten.mean",
                                   "save-ops:aten.mm,,aten.mean"])
-@pytest.mark.parametrize("save_matmuls_measured", [True, False])
-def test_a_measured_op_choice_costs_its_measured_peaks(name, save_matmuls_measured) -> None:
+@pytest.mark.parametrize("dispatch_seconds", [0.0, 0.3])
+def test_a_measured_op_choice_costs_its_measured_peaks(name, dispatch_seconds) -> None:
     # However the name orders its operations, it is the measured choice: its peaks are the
     # measured ones; its time is the recomputation less what the kept operations take, plus
-    # the per-operation dispatch the measured "save-matmuls" run shows (0 when unmeasured).
-    policy_fields = dict(policy_forward_peak_bytes=60, policy_backward_peak_bytes=80,
-                         policy_extra_seconds=1.9) if save_matmuls_measured else {}
-    block = measured_block(**policy_fields)
+    # the per-operation dispatch counted for the block (0 for an estimate).
+    block = measured_block(policy_dispatch_seconds=dispatch_seconds)
     cost = policy_cost(block, name)
     assert cost.policy == "save-ops:aten.mean,aten.mm"
     assert cost.kept_bytes == 42
     assert cost.transient_bytes == 90 - 42  # forward peak less the kept outputs
     assert cost.backward_peak_bytes == 70
-    # the plain recomputation (2.2 s) without the matmuls (0.6 s): 1.6 s; measured: 1.9 s
-    overhead = 1.9 - (2.2 - 0.6) if save_matmuls_measured else 0.0
-    assert cost.extra_seconds == pytest.approx(2.2 - 0.4 * 2.0 + overhead)
+    assert cost.extra_seconds == pytest.approx(2.2 - 0.4 * 2.0 + dispatch_seconds)
 
 
-def test_a_dispatch_faster_than_predicted_is_no_negative_overhead() -> None:
-    block = measured_block(policy_extra_seconds=1.0)  # below 2.2 - 0.6: no overhead, not -0.6
-    assert policy_cost(block, "save-ops:aten.mean,aten.mm").extra_seconds == pytest.approx(1.4)
+def test_the_noisy_save_matmuls_timing_does_not_price_the_choices() -> None:
+    # A save-matmuls run measured slow or fast says nothing about the other choices' dispatch.
+    for policy_extra_seconds in (1.0, 5.0):
+        block = measured_block(policy_extra_seconds=policy_extra_seconds)
+        cost = policy_cost(block, "save-ops:aten.mean,aten.mm")
+        assert cost.extra_seconds == pytest.approx(1.4)
 
 
 def test_a_measured_choice_whose_peak_is_below_what_it_keeps_has_no_negative_transient():

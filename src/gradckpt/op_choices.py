@@ -275,14 +275,11 @@ def offloaded(
 
 def _extra_seconds(block: BlockProfile, kept_share: float) -> float:
     """A one-block segment's extra time when its kept operations take ``kept_share`` of the
-    forward: the recomputation without them, plus what the per-operation dispatch costs (read
-    from the measured ``"save-matmuls"`` run: its time less the plain recomputation's without
-    the matmuls)."""
-    overhead = 0.0
-    if block.policy_extra_seconds is not None:
-        overhead = max(0.0, block.policy_extra_seconds
-                       - (block.recompute_seconds() - block.matmul_seconds))
-    return max(0.0, block.recompute_seconds() - kept_share * block.forward_seconds) + overhead
+    forward: the recomputation without them, plus what the per-operation dispatch costs
+    (``BlockProfile.policy_dispatch_seconds``, counted rather than read from the difference of
+    two noisy timings)."""
+    return (max(0.0, block.recompute_seconds() - kept_share * block.forward_seconds)
+            + block.policy_dispatch_seconds)
 
 
 def kept_by_policy(policy: str, name: str) -> bool:

@@ -75,6 +75,10 @@ class BlockProfile:
       are left out: keeping them would cost the engine a private copy.
     - ``op_choices``: a few sets of operations to keep (``OpChoice``), measured: the ones
       ``gradckpt.op_choices.menu_of`` finds worth it, which the optimal solver weighs.
+    - ``policy_dispatch_seconds``: what a policy's per-operation dispatch adds to the block
+      checkpointed alone (its forward and its recomputation): its operations counted times
+      this machine's cost per dispatched operation (``engine``'s
+      ``dispatch_seconds_per_operation``); 0 for an estimate, whose device hides it.
     - ``gradient_bytes``: the gradients of its trainable parameters. They appear during its
       backward pass (inside ``backward_peak_bytes``) and stay until the step ends, so they weigh
       on the backward of every block before it.
@@ -141,6 +145,7 @@ class BlockProfile:
     forward_seconds_by_op: dict[str, float] = field(default_factory=dict)
     kept_bytes_by_op: dict[str, int] = field(default_factory=dict)
     op_choices: list[OpChoice] = field(default_factory=list)
+    policy_dispatch_seconds: float = 0.0
     policy_forward_peak_bytes: int | None = None
     policy_backward_peak_bytes: int | None = None
     policy_extra_seconds: float | None = None

@@ -58,6 +58,7 @@ from .chunked_head import (
     vocabulary_size,
 )
 from .debug import debug_mode
+from .fate_per_op import dispatch_seconds_per_operation
 from .fates import (
     MATMUL_AND_ATTENTION_NAMES,
     OFFLOAD_OPS,
@@ -110,6 +111,7 @@ __all__ = [
     "save_ops_policy_name",
     "operations_kept_by",
     "keeps_operation",
+    "dispatch_seconds_per_operation",
     "AUTO",
     "HeadChunking",
     "chunk_head",

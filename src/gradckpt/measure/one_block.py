@@ -13,10 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import checkpoint_segments, first_tensor, save_ops_policy_name, storage_key
+from ..engine import (
+    checkpoint_segments,
+    dispatch_seconds_per_operation,
+    first_tensor,
+    save_ops_policy_name,
+    storage_key,
+)
 from ..errors import UsageError
 from ..op_choices import menu_of
 from ..profile_types import PLANNED_POLICY, BlockProfile, OpChoice
+from . import clock
 from .meter import MemoryMeter
 from .operations import operations_of
 from .recording import BlockCall
@@ -143,6 +150,10 @@ def measure_block(
         matmul_seconds=operations.matmul_share * forward_seconds,
         saved_bytes_by_op=operations.saved_bytes,
         kept_bytes_by_op=operations.kept_bytes,
+        # Its forward and its recomputation, each operation through the policy's dispatch;
+        # under a modeled clock (an estimate for a GPU) hidden behind the device's work.
+        policy_dispatch_seconds=(0.0 if clock.modeled() else
+                                 2 * operations.count * dispatch_seconds_per_operation()),
         forward_seconds_by_op={
             name: share * forward_seconds for name, share in operations.time_share.items()
         },

@@ -37,10 +37,12 @@ class _OpTimer(TorchDispatchMode):
         # Those storages held until the pass ends: a freed storage's key can come back for a
         # new one (the block's output once looked made by an RMSNorm ``mean`` before it).
         self.held: list[torch.UntypedStorage] = []
+        self.count = 0  # operations dispatched
         self.changed_in_place: set[str] = set()  # or sharing memory: not offered
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        self.count += 1
         for written in _written_arguments(func, args, kwargs):
             if storage_key(written) in self.kept_by:
                 self.changed_in_place.add(self.kept_by[storage_key(written)])
@@ -84,6 +86,7 @@ class Operations:
     time_share: dict[str, float]  # share of the forward time, by operation
     # outputs a policy keeping the operation keeps (``BlockProfile.kept_bytes_by_op``)
     kept_bytes: dict[str, int]
+    count: int  # operations dispatched in its forward
 
 
 def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]) -> Operations:
@@ -121,6 +124,7 @@ def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]
         time_share={name: seconds / total for name, seconds in by_time} if total else {},
         kept_bytes={name: nbytes for name, nbytes in timer.kept_bytes.items()
                     if name not in timer.changed_in_place},
+        count=timer.count,
     )
 
 
