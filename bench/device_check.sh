@@ -230,6 +230,6 @@ offload_check 2>&1 | tee "$out/offload_cuda.txt" || status=1
     --rounds 20 2>&1 | tee "$out/engine_cuda.txt" || status=1
 # The planning issue's extra-time target on steadier times: predicted vs measured peaks
 # (max_memory_allocated) and extra times of every plan, same script as on CPU.
-"$python" bench/frontier.py --device cuda --layers 12 --embd 1024 --heads 16 --batch 8 \
+"$python" bench/frontier.py --device cuda --model tinygpt --layers 12 --embd 1024 --heads 16 --batch 8 \
     --seq 512 --rounds 16 --verbose 2>&1 | tee "$out/frontier_cuda.txt" || status=1
 exit $status
