@@ -117,14 +117,16 @@ def no_gradckpt_warnings() -> Iterator[None]:
 
 
 def byte_fields(profile: gradckpt.Profile) -> dict:
-    """The profile as JSON without its times (measured, so never equal twice) and without
+    """The profile as JSON without its times (measured, so never equal twice), without
     ``saved_bytes_by_op``, a breakdown that differs between two profiles of one plain model
-    (which operation a storage is credited to); their totals, ``saved_bytes``, are kept."""
+    (which operation a storage is credited to; their totals, ``saved_bytes``, are kept), and
+    without ``op_choices``, which sets of operations were measured: chosen by their measured
+    time shares."""
 
     def without_times(value: Any) -> Any:
         if isinstance(value, dict):
             return {key: without_times(item) for key, item in value.items()
-                    if "seconds" not in key and key != "saved_bytes_by_op"}
+                    if "seconds" not in key and key not in ("saved_bytes_by_op", "op_choices")}
         if isinstance(value, list):
             return [without_times(item) for item in value]
         return value

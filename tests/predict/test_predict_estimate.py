@@ -187,7 +187,9 @@ def test_a_plan_from_an_estimate_names_its_device_and_round_trips() -> None:
     predicted = gradckpt.estimate(model, torch.randn(8, 32), device="l4")
     plan = gradckpt.solve(predicted, None, "sqrt")
     assert plan.estimated_for == "l4-24gb"
-    assert str(plan).endswith("(estimated for l4-24gb)")
+    *_, summary, offload = str(plan).splitlines()
+    assert summary.endswith("(estimated for l4-24gb)")
+    assert offload.startswith("offload: offered over a host link of 25.6 GB/s")  # PCIe Gen4
     assert gradckpt.Plan.from_json(plan.to_json()) == plan
     measured = gradckpt.solve(gradckpt.profile(model, torch.randn(8, 32), repeats=1), None, "sqrt")
     assert measured.estimated_for is None and "estimated" not in str(measured)

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..engine import (
@@ -179,11 +180,40 @@ def _measured_op_choices(
     checkpointed alone under its policy for its peaks (their times follow from the measured
     ones: ``op_choices.policy_cost``)."""
     choices = []
-    for operations, kept_bytes, share in menu_of(measured):
+    by_op = measured.forward_seconds_by_op
+    if _sharded(block):
+        by_op = _agreed_across_ranks(by_op)
+    agreed = replace(measured, forward_seconds_by_op=by_op)
+    for operations, kept_bytes, share in menu_of(agreed):
         policy = save_ops_policy_name(operations)
         forward_peak, backward_peak = _checkpointed_peaks(block, call, device, policy=policy)
         choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak))
     return choices
+
+
+def _sharded(block: nn.Module) -> bool:
+    """Whether the block's parameters are sharded over ranks (FSDP2's ``DTensor``s): its
+    forward then gathers them, a collective every rank must run alike."""
+    return any(type(p).__name__ == "DTensor" for p in block.parameters())
+
+
+def _agreed_across_ranks(seconds_by_op: dict[str, float]) -> dict[str, float]:
+    """Per-operation times every rank agrees on: their mean over the ranks of a process group
+    (each rank times its own; for a sharded block the choices measured from them must be the
+    same everywhere, or the ranks run different numbers of its forward, whose all-gathers then
+    never meet: FSDP2 hung that way).
+
+    Example:
+        >>> _agreed_across_ranks({"aten.mm": 1.0})  # one process: its own
+        {'aten.mm': 1.0}
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return seconds_by_op
+    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seconds_by_op)
+    names = sorted({name for rank in gathered for name in rank or {}})
+    return {name: statistics.fmean((rank or {}).get(name, 0.0) for rank in gathered)
+            for name in names}
 
 
 def _checkpointed_peaks(
