@@ -43,7 +43,8 @@ from .profile_types import PLANNED_POLICY, BlockProfile, Profile
 
 __all__ = [
     "MENU_SIZE", "Choice", "PolicyCost", "is_op_choice", "kept_by_policy", "menu_of",
-    "HOST_CAP", "HOST_LINK", "offload_offer", "offloaded", "pareto_menu", "policy_cost",
+    "HOST_CAP", "HOST_LINK", "offload_offer", "offloaded", "offloading", "pareto_menu",
+    "policy_cost",
     "spread", "without_offload",
 ]
 
@@ -174,7 +175,7 @@ def policy_cost(
         (8, 1.0, None)
     """
     if policy.startswith(OFFLOAD_OPS):
-        kept = policy_cost(block, SAVE_OPS + policy.removeprefix(OFFLOAD_OPS))
+        kept = policy_cost(block, save_ops_policy_name(operations_kept_by(policy)))
         return offloaded(block, kept, host_link_bytes_per_second, policy)
     if policy in (PLANNED_POLICY, "offload-matmuls"):  # offloaded: priced as kept (bounded)
         return PolicyCost(policy, block.matmul_bytes, block.policy_recompute_seconds(),
@@ -223,6 +224,15 @@ def offload_offer(profile: Profile) -> tuple[float | None, str]:
     cap = profile.notes.get(HOST_CAP)
     limit = "host memory not checked" if cap is None else f"at most {cap / 2**30:.1f} GiB of it"
     return link, f"offload: offered over a host link of {link / 1e9:.1f} GB/s, {limit}"
+
+
+def offloading(policy: str) -> str:
+    """The ``"offload-ops:..."`` policy offloading what ``policy`` (``"save-ops:..."``) keeps.
+
+    >>> offloading("save-ops:aten.mm,attention")
+    'offload-ops:aten.mm,attention'
+    """
+    return save_ops_policy_name(operations_kept_by(policy), offload=True)
 
 
 def without_offload(profile: Profile) -> Profile:

@@ -2,8 +2,8 @@
 
 ``profile`` on a GPU times copies of 64 MiB between the device and pinned host memory, each
 way, and takes the slower direction's median; it also notes how much host memory a plan may
-offload to (half of what the host has available). On any other device it measures nothing:
-offloading is offered only on GPUs (``gradckpt.op_choices.offload_offer``).
+offload to (half of what ``budget="auto"`` would give on the CPU). On any other device it
+measures nothing: offloading is offered only on GPUs (``gradckpt.op_choices.offload_offer``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import statistics
 
 import torch
 
+from ..budget import available_bytes
+from ..errors import UsageError
 from ..op_choices import HOST_CAP, HOST_LINK
 
-__all__ = ["available_host_bytes", "host_link_notes"]
+__all__ = ["host_link_notes"]
 
 _COPY_BYTES = 64 * 2**20
 _ROUNDS = 5
@@ -46,25 +48,8 @@ def host_link_notes(device: torch.device) -> dict[str, float | int]:
             seconds[direction].append(start.elapsed_time(end) / 1000)
     slower = max(statistics.median(times[1:]) for times in seconds.values())
     notes: dict[str, float | int] = {HOST_LINK: _COPY_BYTES / slower}
-    host = available_host_bytes()
-    if host is not None:
-        notes[HOST_CAP] = host // 2
+    try:  # what "auto" would give on the CPU: MemAvailable, under a cgroup's limit
+        notes[HOST_CAP] = available_bytes("cpu") // 2
+    except UsageError:  # no way to tell: not checked
+        pass
     return notes
-
-
-def available_host_bytes() -> int | None:
-    """What the host has available (``MemAvailable`` of ``/proc/meminfo``), None where unknown.
-
-    Example:
-        >>> available = available_host_bytes()
-        >>> available is None or available > 0
-        True
-    """
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

@@ -28,8 +28,7 @@ import math
 from dataclasses import dataclass
 
 from ..cost import gradients_after, side_inputs_held
-from ..engine import OFFLOAD_OPS, SAVE_OPS
-from ..op_choices import offload_offer, offloaded, policy_cost
+from ..op_choices import offload_offer, offloading, policy_cost
 from ..profile_types import PLANNED_POLICY, BlockProfile, Profile
 
 __all__ = [
@@ -103,7 +102,8 @@ class ChainCosts:
         # Without matmuls and unmeasured, a block under the policy is its plain segment.
         self.has_matmuls = any(b.matmul_bytes or b.matmul_seconds
                                or b.policy_backward_peak_bytes is not None for b in self.blocks)
-        self.policies = self.has_matmuls  # or op-level choices (below)
+        # Whether any block has a menu (save-matmuls, or op-level choices).
+        self.policies = self.has_matmuls or any(b.op_choices for b in self.blocks)
         # While a run inside a segment ending at c is (re)computed in backward, c's output
         # gradient and every parameter gradient made before are alive.
         self.gradients_after = gradients_after(profile)
@@ -131,7 +131,6 @@ class ChainCosts:
         self._segments: dict[int, SegmentCosts] = {}
         self._menus: dict[int, list[MenuOption]] = {}
         self.host_link, _ = offload_offer(profile)
-        self.policies = self.policies or any(b.op_choices for b in self.blocks)
 
     def menu(self, s: int) -> list[MenuOption]:
         """The policies block s may run under alone at the top level: ``"save-matmuls"``
@@ -155,14 +154,14 @@ class ChainCosts:
                                    costs.policy_seconds[0], costs.policy_peak[0],
                                    costs.policy_transient[0]))
         for choice in block.op_choices:
-            cost = policy_cost(block, choice.policy)
-            costs = [cost]
-            if self.host_link:  # the same outputs offloaded instead (GPU targets only)
-                costs.append(offloaded(block, cost, self.host_link,
-                                       OFFLOAD_OPS + cost.policy.removeprefix(SAVE_OPS)))
-            menu += [MenuOption(c.policy, c.kept_bytes, c.extra_seconds,
-                                self.alive[s] + (c.backward_peak_bytes or 0), c.transient_bytes)
-                     for c in costs]
+            # Each kept, then (GPU targets only) the same outputs offloaded instead.
+            policies = [choice.policy, offloading(choice.policy)] if self.host_link else [
+                choice.policy]
+            for policy in policies:
+                cost = policy_cost(block, policy, self.host_link)
+                menu.append(MenuOption(cost.policy, cost.kept_bytes, cost.extra_seconds,
+                                       self.alive[s] + (cost.backward_peak_bytes or 0),
+                                       cost.transient_bytes))
         self._menus[s] = menu
         return menu
 
