@@ -3,9 +3,11 @@ optimal strategy reports, and the candidate ``solve_optimal`` adds where roundin
 tables to memory units may hide it.
 
 The runs are those of the time tables (``optimal``; ``chain_costs`` indexes them), minimizing
-the peak instead of the time, so without memory levels. Each entry is a pair (least peak in
-bytes, what the run's first item is: ``KEEP``, ``POLICY`` or segment s..j as j), recorded while
-filling; ``_LeastPeak.plan`` rebuilds the plan by reading them:
+the peak instead of the time, so without memory levels; among runs of equal peak, the one of
+least extra time (so the least budget gets a fast plan of that peak, not the first one found).
+Each entry is a triple (least peak in bytes, its extra seconds, what the run's first item is:
+``KEEP``, ``POLICY`` or segment s..j as j), recorded while filling; ``_LeastPeak.plan``
+rebuilds the plan by reading them:
 
 - ``after[s][c]``: the run from block s to column c's end, block s's input not retained yet;
 - ``at_input[s][e]``: the run s..e opening the recomputation of segment s..e, its input
@@ -33,8 +35,9 @@ from .chain_costs import FRESH, KEEP, OPENING, POLICY, ChainCosts, menu_choice, 
 
 __all__ = ["lowest_peak_plan", "minimum_peak_bytes"]
 
-# A table entry: (least peak in bytes, what the run's first item is).
-_Entry = tuple[int, int]
+# A table entry: (least peak in bytes, extra seconds, what the run's first item is); entries
+# compare by their first two, the least peak first, then the least time.
+_Entry = tuple[int, float, int]
 
 
 def minimum_peak_bytes(profile: Profile) -> int:
@@ -73,9 +76,9 @@ class _LeastPeak:
         n = chain.n
         # The empty runs peak at 0, but the top-level one: the head runs on what the chain
         # retains.
-        self.after: list[list[_Entry]] = [[(0, KEEP)] * (n + 1) for _ in range(n + 1)]
-        self.after[n][n] = (chain.head_bytes, KEEP)
-        self.at_input: list[list[_Entry]] = [[(0, KEEP)] * n for _ in range(n)]
+        self.after: list[list[_Entry]] = [[(0, 0.0, KEEP)] * (n + 1) for _ in range(n + 1)]
+        self.after[n][n] = (chain.head_bytes, 0.0, KEEP)
+        self.at_input: list[list[_Entry]] = [[(0, 0.0, KEEP)] * n for _ in range(n)]
         self.held: dict[int, list[_Entry]] = {}
         for s in range(n - 1, -1, -1):
             self._fill(s)
@@ -89,12 +92,12 @@ class _LeastPeak:
             added, backward = chain.kept(s, input_retained, top=c == chain.n)
             peak = max(chain.kept_forward_peak(s, input_retained, c), backward,
                        added + rest[c][0])
-            best.append((peak, KEEP))
+            best.append((peak, rest[c][1], KEEP))
         return best
 
     def _fill(self, s: int) -> None:
-        """The runs starting at block s: block s kept, then each segment s..j in turn (ties
-        keep the earlier option)."""
+        """The runs starting at block s: block s kept, then each segment s..j in turn (of equal
+        peaks the faster; of equal peaks and times, the earlier option)."""
         chain, n, alive = self.chain, self.chain.n, self.chain.alive
         costs = chain.segments(s)
         input_bytes = chain.blocks[s].input_bytes
@@ -103,35 +106,37 @@ class _LeastPeak:
         best_held = self._keep_first(s, True, range(s, n + 1)) if chain.held[s] else None
         measured = chain.measured_recompute_peak(s)
         if measured is not None:  # segment s..s's recomputation, as simulate counts it
-            best_inside[0] = (measured, KEEP)
+            best_inside[0] = (measured, 0.0, KEEP)
         for j in range(s, chain.limit[s] + 1):
             k = j - s
-            inner_peak = best_inside[k][0]  # final: children s..j' with j' < j are in
+            inner_peak, inner_seconds, _ = best_inside[k]  # final: children s..j' < j are in
             self.at_input[s][j] = best_inside[k]
             for c in range(j, n + 1):
                 if c == j < n:  # a child ending where its segment ends (none: see optimal)
                     continue
-                rest_peak = self.after[j + 1][c][0]
+                rest_peak, rest_seconds, _ = self.after[j + 1][c]
                 plain = max(alive[c] + costs.transient[k], inner_peak, rest_peak)
-                option = (plain, j)
+                option = (plain, costs.forward_seconds[k] + inner_seconds + rest_seconds, j)
                 if chain.policies and k == 0 and c == n:
                     for index, choice in enumerate(chain.menu(s)):
-                        policy = choice.kept_bytes + max(
-                            alive[c] + choice.transient, choice.peak, rest_peak
-                        )
-                        if policy < option[0]:
-                            option = (policy, menu_choice(index))
+                        policy = (choice.kept_bytes
+                                  + max(alive[c] + choice.transient, choice.peak, rest_peak),
+                                  choice.extra_seconds + rest_seconds, menu_choice(index))
+                        if policy[:2] < option[:2]:
+                            option = policy
+                peak, seconds, what = option
                 side = chain.segment_side_bytes(s, j) if c == n else 0
-                if input_bytes + side + option[0] < best_after[c - s][0]:
-                    best_after[c - s] = (input_bytes + side + option[0], option[1])
-                if best_held is not None and side + option[0] < best_held[c - s][0]:
-                    best_held[c - s] = (side + option[0], option[1])
-                if j < c < n and option[0] < best_inside[c - s][0]:
+                outside = (input_bytes + side + peak, seconds, what)
+                if outside[:2] < best_after[c - s][:2]:
+                    best_after[c - s] = outside
+                if best_held is not None and (side + peak, seconds) < best_held[c - s][:2]:
+                    best_held[c - s] = (side + peak, seconds, what)
+                if j < c < n and option[:2] < best_inside[c - s][:2]:
                     best_inside[c - s] = option
         for c in range(s, n + 1):
             self.after[s][c] = best_after[c - s]
         if best_held is not None:
-            self.held[s] = [(0, KEEP)] * s + best_held
+            self.held[s] = [(0, 0.0, KEEP)] * s + best_held
 
     def plan(self) -> list[Segment]:
         """The whole chain's plan, read from the tables."""
@@ -145,7 +150,7 @@ class _LeastPeak:
         if s > chain.end(column):
             return []
         table = self.after if start == FRESH else self.at_input if start == OPENING else self.held
-        what = table[s][column][1]
+        what = table[s][column][2]
         if what == KEEP:
             return self._rebuild(s + 1, column, chain.start_after_keeping(s + 1))
         if what <= POLICY:

@@ -38,16 +38,20 @@ Ties keep that order: KEEP, j upwards, the menu in its order.
 
 Memory is counted in units (``memory_unit_bytes``): 1 byte when the room left for the chain is
 at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so each table stays
-near 48 MB of float32: 1,176 for 100 blocks), else the room over that many levels. Every size
-is rounded *up* to whole units, so a plan the table says fits does fit (and ``simulate`` checks
-it once more).
+near 48 MB of float32: 1,176 for 100 blocks), else the room over that many levels less a
+headroom (``headroom_levels``: 2n + 1 levels, a quarter at most). Every size is rounded *up* to
+whole units, so a plan the table says fits in the room does fit; the tables are filled for the
+room plus the headroom, where every plan that fits in bytes lies (a peak adds up at most
+2n + 1 rounded sizes), and read from the top level down, ``simulate`` checking each plan read
+(``fastest_within``).
 With 1-byte units the answer is the exact optimum, which the tests check against brute force;
 with larger ones it is at least as fast as the exact optimum for a room smaller by (2n + 1)
-units (a peak adds up at most 2n + 1 rounded sizes). Because rounding can hide plans that
-fit by a hair, exactly-checked candidates join the table's answer: Chen's greedy plans
+units. Because rounding can still hide plans that fit by a hair, exactly-checked candidates
+join the table's answer: Chen's greedy plans
 (``chen-greedy``: every-layer, every k-th block on uniform chains, ...), every k-th block
 checkpointed alone (the layouts users measure and then ask to fit) and, near the lowest
-reachable peak, the plan of least peak from an exact DP in bytes (``least_peak``). So
+reachable peak, the plan of least peak from an exact DP in bytes (``least_peak``; of equal
+peaks, the fastest). So
 ``optimal`` is never slower than ``chen-greedy``, and a budget of exactly ``minimum_peak_bytes``
 always works.
 
@@ -77,7 +81,8 @@ from .least_peak import lowest_peak_plan, minimum_peak_bytes
 from .memory_levels import CHOICE_DTYPE, TIME_DTYPE, Choices, MemoryLevels
 
 __all__ = [
-    "solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "every_kth_block",
+    "solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "headroom_levels",
+    "every_kth_block",
 ]
 
 # Memory levels of the time tables: at most _MAX_LEVELS, and about _TABLE_CELLS cells per table
@@ -87,6 +92,9 @@ _MIN_LEVELS = 100
 _TABLE_CELLS = 12_000_000
 
 _INF = math.inf
+# Distinct plans fastest_within reads level by level above the room before it bisects: all
+# of a chain of up to 15 blocks' 2n + 1 levels of headroom.
+_WALKED_PLANS = 32
 # At most this many numbers per tensor operation of the tables: ATen runs an operation on
 # fewer than its grain size (32,768) on the calling thread. Larger ones fan out to every
 # intra-op thread, and on a busy 2-core machine each such operation waits for a descheduled
@@ -126,8 +134,13 @@ def _fastest_fitting(profile: Profile, budget_bytes: int) -> list[Segment]:
     candidates = []
     tables = None
     if room_bytes >= 0:
-        tables = _TimeTables(profile, memory_unit_bytes(profile, room_bytes), room_bytes)
-        candidates.append(tables.best_plan())
+        unit = memory_unit_bytes(profile, room_bytes)
+        # Filled for a little more room than there is (headroom_levels), the tables hold every
+        # plan that fits exactly though its sizes rounded up do not; fastest_within reads the
+        # fastest of them that the cost model says fits.
+        slack = headroom_levels(len(profile.blocks)) * unit if unit > 1 else 0
+        tables = _TimeTables(profile, unit, room_bytes + slack)
+        candidates.append(tables.fastest_within(room_bytes, profile))
         if tables.levels.unit > 1:
             # Rounding can hide a plan that fits by a few units: Chen's greedy candidates
             # (every-layer, every k-th on a uniform chain, ...) and every k-th block alone (the
@@ -135,7 +148,7 @@ def _fastest_fitting(profile: Profile, budget_bytes: int) -> list[Segment]:
             candidates.append(solve_chen_greedy(profile, budget_bytes))
             candidates.extend(every_kth_block(profile))
     lowest = None
-    if tables is None or candidates[0] is None or tables.may_miss_lowest_peak_plan():
+    if tables is None or candidates[0] is None or tables.may_miss_lowest_peak_plan(room_bytes):
         lowest = lowest_peak_plan(profile)
         candidates.append(lowest)
     fitting = []
@@ -168,17 +181,20 @@ def memory_unit_bytes(profile: Profile, room_bytes: int) -> int:
     """The bytes one memory level of the DP stands for, given ``room_bytes`` for the chain.
 
     1 when the room has few enough bytes to count one by one (small tests); else the room over
-    the number of levels, so that the tightest budgets, where every byte decides, get the
-    finest units.
+    the number of levels less the headroom the tables get above it (``headroom_levels``), so
+    that the tightest budgets, where every byte decides, get the finest units.
 
     Example:
         >>> from gradckpt.profile_types import Profile, example_block
         >>> blocks = [example_block(f"h.{i}", input_bytes=10**6, output_bytes=10**6,
         ...                         saved_bytes=5 * 10**6) for i in range(100)]
-        >>> memory_unit_bytes(Profile(blocks, 0, 0, 1.0), 50 * 10**6)  # 1,176 levels of ~43 KB
-        42518
+        >>> memory_unit_bytes(Profile(blocks, 0, 0, 1.0), 50 * 10**6)  # 975 + 201 levels of ~51 KB
+        51283
     """
-    return max(1, -(-room_bytes // levels_for(len(profile.blocks))))
+    blocks = len(profile.blocks)
+    if room_bytes <= levels_for(blocks):
+        return 1
+    return -(-room_bytes // (levels_for(blocks) - headroom_levels(blocks)))
 
 
 def levels_for(blocks: int) -> int:
@@ -189,6 +205,18 @@ def levels_for(blocks: int) -> int:
         (2000, 1176, 100)
     """
     return max(_MIN_LEVELS, min(_MAX_LEVELS, _TABLE_CELLS // (blocks + 1) ** 2))
+
+
+def headroom_levels(blocks: int) -> int:
+    """Levels the tables get above the room when sizes are rounded: a peak adds up at most
+    2n + 1 rounded sizes, so a plan that fits the room exactly lies within that many levels
+    above it (a quarter of the levels at most, for long chains).
+
+    Example:
+        >>> headroom_levels(10), headroom_levels(100), headroom_levels(1000)
+        (21, 201, 25)
+    """
+    return min(2 * blocks + 1, levels_for(blocks) // 4)
 
 
 class _TimeTables:
@@ -357,8 +385,9 @@ class _TimeTables:
     # Rebuild
     # ----------------------------------------------------------------------------------------
 
-    def may_miss_lowest_peak_plan(self) -> bool:
-        """Whether rounding may hide a plan of the lowest peak that fits and is faster.
+    def may_miss_lowest_peak_plan(self, room_bytes: int) -> bool:
+        """Whether rounding may hide a plan of the lowest peak that fits ``room_bytes`` and
+        is faster than what ``fastest_within`` read.
 
         The plan of least peak P peaks at no more than the table's lowest finite level (in
         units); rounded up, each of the at most 2n + 1 sizes adding up to any of its peaks
@@ -369,14 +398,60 @@ class _TimeTables:
         finite = torch.isfinite(self._top()).nonzero()
         if len(finite) == 0:
             return True
-        return self.levels.count - 1 < finite[0].item() + 2 * self.chain.n + 1
+        held_from = finite[0].item() + 2 * self.chain.n + 1
+        return min(self.levels.count - 1, room_bytes // self.levels.unit) < held_from
+
+    def fastest_within(self, room_bytes: int, profile: Profile) -> list[Segment] | None:
+        """The fastest plan the tables hold whose peak (``simulate``'s, in bytes) fits
+        ``room_bytes``, as far as a few reads find it; None when they hold none.
+
+        The tables may be filled for more room than that (``headroom_levels``). From the room's
+        own level down every plan fits, its sizes rounded up; above it, a level's plan may or
+        may not fit in bytes, and a higher level holds a plan at least as fast. So the levels
+        are read from the top down, the first plan that fits the answer; past
+        ``_WALKED_PLANS`` distinct plans (long chains, whose headroom has more levels), the
+        rest by bisection, as if fitting went with the level (it nearly does).
+        """
+        if self.chain.n == 0:
+            return None
+        fits = min(self.levels.count - 1, room_bytes // self.levels.unit)  # fits rounded
+        top = self._top()
+        tried: set[str] = set()
+        level = self.levels.count - 1
+        while level > fits and len(tried) < _WALKED_PLANS:
+            if math.isinf(top[level].item()):
+                return None  # nor does any lower level hold a plan
+            plan = self._plan_at(level)
+            if repr(plan) not in tried:
+                tried.add(repr(plan))
+                if simulate(profile, plan)[0] <= room_bytes:
+                    return plan
+            level -= 1
+        # Bisection between the highest level whose plan fits, as far as known, and the lowest
+        # read whose plan did not.
+        fitting = None if math.isinf(top[fits].item()) else self._plan_at(fits)
+        low, high = fits, level + 1
+        while high - low > 1:
+            middle = (low + high) // 2
+            if math.isinf(top[middle].item()):
+                low = middle  # holds no plan: look higher
+                continue
+            plan = self._plan_at(middle)
+            if simulate(profile, plan)[0] <= room_bytes:
+                low, fitting = middle, plan
+            else:
+                high = middle
+        return fitting
+
+    def _plan_at(self, level: int) -> list[Segment]:
+        """The whole chain's plan at ``level``, read from the choice tables."""
+        return self._rebuild(0, self.chain.n, level, self.chain.start_after_keeping(0))
 
     def best_plan(self) -> list[Segment] | None:
         """The fastest top-level plan at the highest level, or None when nothing fits."""
         if self.chain.n == 0 or math.isinf(self._top()[-1].item()):
             return None
-        return self._rebuild(0, self.chain.n, self.levels.count - 1,
-                             self.chain.start_after_keeping(0))
+        return self._plan_at(self.levels.count - 1)
 
     def _top(self) -> torch.Tensor:
         """The whole chain's least extra time at each level."""
