@@ -38,10 +38,14 @@ def test_preset_is_sane(name: str) -> None:
     assert spec.memory_bytes > 0 and spec.memory_bytes % GIB == 0  # vendor GB are binary
     assert spec.memory_bandwidth_bytes_per_second > 0
     rates = spec.flops_per_second
-    assert set(rates) == {torch.float32, torch.bfloat16, torch.float16}
+    if spec.unsupported_dtypes:  # Volta, Turing: fp16 tensor cores only, bf16 refused
+        assert spec.unsupported_dtypes == (torch.bfloat16,)
+        assert set(rates) == {torch.float32, torch.float16}
+    else:
+        assert set(rates) == {torch.float32, torch.bfloat16, torch.float16}
+        assert rates[torch.float16] == rates[torch.bfloat16]
     assert all(rate > 0 for rate in rates.values())
-    assert rates[torch.bfloat16] >= rates[torch.float32]
-    assert rates[torch.float16] == rates[torch.bfloat16]
+    assert rates[torch.float16] >= rates[torch.float32]
     assert "datasheet" in spec.source or "whitepaper" in spec.source
 
 
@@ -55,6 +59,18 @@ DATASHEET = {
     "a100-40gb": (40, 312, 19.5, 1555),
     "l4-24gb": (24, 242 / 2, 30.3, 300),
     "rtx4090-24gb": (24, 165.2, 82.6, 1008),
+    "b200-180gb": (180, 4500 / 2, 80, 8000),
+    "a10g-24gb": (24, 62.5, 31.2, 600),
+    "l40s-48gb": (48, 362.05, 91.6, 864),
+    "t4-16gb": (16, 65, 8.1, 320),  # fp16: no bf16
+    "v100-16gb": (16, 125, 15.7, 900),
+    "v100-32gb": (32, 125, 15.7, 900),
+    "v100-pcie-16gb": (16, 112, 14, 900),
+    "v100-pcie-32gb": (32, 112, 14, 900),
+    "rtx3090-24gb": (24, 71, 35.6, 936),
+    "rtx5090-32gb": (32, 209.5, 104.8, 1792),
+    "a6000-48gb": (48, 154.8, 38.7, 768),
+    "rtx6000ada-48gb": (48, 364.2, 91.1, 960),
 }
 
 
@@ -64,10 +80,10 @@ def test_every_preset_is_checked_against_its_datasheet() -> None:
 
 @pytest.mark.parametrize("name", sorted(DATASHEET))
 def test_preset_figures_match_the_datasheet(name: str) -> None:
-    memory_gib, bf16_tflops, fp32_tflops, bandwidth_gb = DATASHEET[name]
+    memory_gib, tensor_tflops, fp32_tflops, bandwidth_gb = DATASHEET[name]
     spec = DEVICES[name]
     assert spec.memory_bytes == memory_gib * GIB
-    assert spec.flops_per_second[torch.bfloat16] == pytest.approx(bf16_tflops * 1e12)
+    assert spec.flops_per_second[torch.float16] == pytest.approx(tensor_tflops * 1e12)
     assert spec.flops_per_second[torch.float32] == pytest.approx(fp32_tflops * 1e12)
     assert spec.memory_bandwidth_bytes_per_second == pytest.approx(bandwidth_gb * 1e9)
 
@@ -81,6 +97,18 @@ COMPUTE_CAPABILITY = {
     "a100-40gb": (8, 0),
     "l4-24gb": (8, 9),
     "rtx4090-24gb": (8, 9),
+    "b200-180gb": (10, 0),
+    "a10g-24gb": (8, 6),
+    "l40s-48gb": (8, 9),
+    "t4-16gb": (7, 5),
+    "v100-16gb": (7, 0),
+    "v100-32gb": (7, 0),
+    "v100-pcie-16gb": (7, 0),
+    "v100-pcie-32gb": (7, 0),
+    "rtx3090-24gb": (8, 6),
+    "rtx5090-32gb": (12, 0),
+    "a6000-48gb": (8, 6),
+    "rtx6000ada-48gb": (8, 9),
 }
 
 

@@ -77,7 +77,9 @@ def estimate(
             does with ``fully_shard`` on each block and on the root (``per_rank.shard``); the
             profile is then one rank's and ``sample`` is one rank's batch.
         dtype: train in this floating dtype (parameters and floating buffers cast, as
-            ``model.to(dtype)`` would); default: as the model is.
+            ``model.to(dtype)`` would); default: as the model is. A step in bf16 (by
+            ``dtype``, ``autocast`` or the model's own) on a device without bf16 hardware (a
+            V100, a T4) raises ``UsageError``, which suggests fp16.
         autocast: mixed precision as ``torch.autocast`` (and Accelerate, and the Trainer's
             ``bf16=True``) applies it: the parameters stay as they are (fp32) and the model's
             forward runs under autocast to this dtype, so matmuls compute and save in it and
@@ -115,6 +117,10 @@ def estimate(
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
             raise UsageError(f"{name} must be a floating torch.dtype such as torch.bfloat16, "
                              f"got {value!r}")
+    # A device without bf16 hardware (a V100, a T4) refuses a bf16 step before it is traced.
+    computed_in = [dtype] if dtype is not None else [
+        tensor.dtype for tensor in (*model.parameters(), *model.buffers())]
+    spec.check_dtypes([*computed_in, autocast])
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     # Integrations whose models read values to choose a code path choose as for a real batch
     # (Transformers: attention without padding takes its fused kernel).

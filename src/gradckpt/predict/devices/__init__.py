@@ -5,7 +5,9 @@ Its time model is a roofline per operation: the larger of the operation's FLOPs 
 device's dense throughput for the operation's dtype and the bytes it moves over the device's
 memory bandwidth (``DeviceSpec.seconds``). This module holds those numbers:
 
-- presets for common GPUs (``DEVICES``), the vendor's datasheet figures, each with its source;
+- presets for the GPUs people train on (``DEVICES``), the vendor's figures, each with its
+  source; other names for them (``ALIASES``), among them what ``torch.cuda.get_device_name()``
+  prints;
 - ``"this"``: the machine at hand, its GPU if torch sees one, else its CPU; its throughput and
   bandwidth are measured once and cached (``device_spec``);
 - a dict of numbers a user gives for any other device.
@@ -33,14 +35,22 @@ from typing import Any
 
 import torch
 
-from ...errors import UsageError, did_you_mean
-from .presets import ALIASES, DEVICES, HOST_LINKS, host_link_bytes_per_second
+from ...errors import UsageError, did_you_mean, either
+from .presets import (
+    ALIASES,
+    AMBIGUOUS,
+    DEVICES,
+    FAMILIES,
+    HOST_LINKS,
+    family_of,
+    host_link_bytes_per_second,
+)
 from .spec import GIB, GIGA, TERA, DeviceSpec
 from .this_machine import THIS, _this_device
 
 __all__ = [
-    "ALIASES", "DEVICES", "HOST_LINKS", "THIS", "DeviceSpec", "device_spec", "format_device",
-    "host_link_bytes_per_second",
+    "ALIASES", "AMBIGUOUS", "DEVICES", "FAMILIES", "HOST_LINKS", "THIS", "DeviceSpec",
+    "device_spec", "family_of", "format_device", "host_link_bytes_per_second",
 ]
 
 
@@ -53,7 +63,9 @@ def device_spec(
         device: one of
             - a preset name from ``DEVICES`` (``"h100-80gb"``), case-insensitive, spaces and
               ``_`` read as ``-``, with aliases from ``ALIASES`` (``"H100"``, ``"a100"``,
-              ``"4090"``) and an optional ``"nvidia "`` / ``"geforce "`` in front;
+              ``"4090"``, ``"A6000"``) and an optional ``"nvidia "`` / ``"geforce "`` /
+              ``"tesla "`` in front, so what ``torch.cuda.get_device_name()`` prints works
+              (``"NVIDIA RTX A6000"``, ``"Tesla T4"``);
             - ``"this"`` or ``None``: this machine, its current CUDA GPU when torch sees one,
               else its CPU. Throughput and bandwidth are measured once (about a second) and
               cached in ``$GRADCKPT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradckpt``, i.e.
@@ -68,12 +80,17 @@ def device_spec(
             - a ``DeviceSpec``, returned as it is.
         refresh: measure ``"this"`` again even when the cache holds it (other devices ignore it).
 
-    Raises ``UsageError`` for an unknown name (listing the known ones and the closest) and for
-    a dict with a missing, unknown, mistyped or non-positive entry (naming it).
+    Raises ``UsageError`` for an unknown name (listing the known ones and, for a name of a
+    product line gradckpt knows, the closest presets of that line only: an unknown RTX
+    workstation name is never offered an A100), for a name of several presets (``"v100"``:
+    ``AMBIGUOUS``, listing them) and for a dict with a missing, unknown, mistyped or
+    non-positive entry (naming it).
 
     Example:
         >>> device_spec("a100").name, device_spec("NVIDIA GeForce RTX 4090").name
         ('a100-80gb', 'rtx4090-24gb')
+        >>> device_spec("A6000").name, device_spec("Tesla V100-SXM2-16GB").name
+        ('a6000-48gb', 'v100-16gb')
         >>> mine = device_spec({"memory": "48GiB", "bf16_tflops": 180, "fp32_tflops": 90,
         ...                     "bandwidth_gbps": 960})
         >>> mine.name, mine.memory_bytes == 48 * 2**30, mine.flops_per_second[torch.float16]
@@ -100,6 +117,12 @@ def device_spec(
     key = ALIASES.get(key, key)
     if key in DEVICES:
         return DEVICES[key]
+    if key in AMBIGUOUS:
+        choices = [f"{name!r} ({DEVICES[name].description})" for name in AMBIGUOUS[key]]
+        raise UsageError(
+            f"device {device!r} could be any of {len(choices)} presets that differ in memory or "
+            f"speed: {either(choices, quote=False)}; name one"
+        )
     raise UsageError(_unknown_device_message(device, key))
 
 
@@ -108,15 +131,22 @@ def format_device(spec: DeviceSpec) -> str:
 
     Throughput is shown to 4 significant digits in TFLOP/s, bandwidth in TB/s (10**12 B/s).
 
+    A device without bf16 hardware shows its fp16 figure instead.
+
     Example:
         >>> print(format_device(DEVICES["l4-24gb"]))
         l4-24gb (NVIDIA L4 24GB: 24.00 GiB, 121 TFLOP/s bf16, 30.3 TFLOP/s fp32, 0.3 TB/s)
+        >>> print(format_device(DEVICES["t4-16gb"]))
+        t4-16gb (NVIDIA T4 16GB: 16.00 GiB, 65 TFLOP/s fp16 (no bf16), 8.1 TFLOP/s fp32, 0.32 TB/s)
     """
     rates = spec.flops_per_second
-    bf16 = rates.get(torch.bfloat16, rates[torch.float32])
+    if torch.bfloat16 in spec.unsupported_dtypes:
+        half = f"{rates[torch.float16] / TERA:.4g} TFLOP/s fp16 (no bf16)"
+    else:
+        half = f"{rates.get(torch.bfloat16, rates[torch.float32]) / TERA:.4g} TFLOP/s bf16"
     return (
-        f"{spec.name} ({spec.description}: {spec.memory_bytes / GIB:.2f} GiB, "
-        f"{bf16 / TERA:.4g} TFLOP/s bf16, {rates[torch.float32] / TERA:.4g} TFLOP/s fp32, "
+        f"{spec.name} ({spec.description}: {spec.memory_bytes / GIB:.2f} GiB, {half}, "
+        f"{rates[torch.float32] / TERA:.4g} TFLOP/s fp32, "
         f"{spec.memory_bandwidth_bytes_per_second / TERA:.4g} TB/s)"
     )
 
@@ -128,18 +158,39 @@ def format_device(spec: DeviceSpec) -> str:
 
 def _normalize(name: str) -> str:
     key = "-".join(name.strip().lower().replace("_", " ").split())
-    for prefix in ("nvidia-", "geforce-"):
+    for prefix in ("nvidia-", "geforce-", "tesla-"):
         key = key.removeprefix(prefix)
     return key
 
 
 def _unknown_device_message(given: str, key: str) -> str:
+    """Did-you-mean only within the name's product line (``FAMILIES``): a misspelt card is
+    offered the close presets of its own line, or that line's presets when none is close, and
+    never a card of another line; a name of no line is offered no card.
+
+    Example:
+        >>> import textwrap
+        >>> print(textwrap.fill(_unknown_device_message("A30", "a30").split(" known")[0], 80))
+        unknown device 'A30'; no preset is close to it in the NVIDIA A100 / A10G line,
+        whose presets are 'a100-80gb', 'a100-40gb' or 'a10g-24gb';
+    """
     known = sorted(DEVICES)
-    # Match against aliases too ("h10" is nearest "h100"), then name the preset they mean.
-    hint = did_you_mean(key, [*known, *ALIASES, THIS], aliases=ALIASES) or ";"
+    family = family_of(key)
+    if family is None:
+        hint = did_you_mean(key, [THIS]) or ";"
+    else:
+        # Match against the line's aliases too ("h10" is nearest "h100"), then name the preset
+        # they mean.
+        names = [*family.presets,
+                 *(alias for alias, name in ALIASES.items() if name in family.presets)]
+        hint = did_you_mean(key, names, aliases=ALIASES) or (
+            f"; no preset is close to it in {family.description}, whose presets are "
+            f"{either(list(family.presets))};"
+        )
     return (
         f"unknown device {given!r}{hint} known devices: {', '.join(known)}, and 'this' (this "
-        f"machine, measured); aliases: {', '.join(sorted(ALIASES))}; or pass a dict of numbers "
+        f"machine, measured); names as torch.cuda.get_device_name() prints them and the "
+        f"aliases in docs/devices.md work too; or pass a dict of numbers "
         f"({', '.join(_REQUIRED_KEYS)}) for another device"
     )
 

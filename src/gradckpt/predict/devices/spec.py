@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -59,6 +59,10 @@ class DeviceSpec:
         compute_capability: a GPU's CUDA compute capability, ``(9, 0)`` for Hopper: which
             fused attention kernel PyTorch picks depends on it (``measure.attention``). ``None``
             for a CPU; for a GPU given by numbers, the rules of ``(8, 0)`` are assumed.
+        unsupported_dtypes: floating dtypes the device has no hardware for, such as
+            ``torch.bfloat16`` on a V100 or T4 (Volta and Turing tensor cores take fp16 only):
+            ``check_dtypes`` refuses a step in one (``estimate`` asks before it traces the
+            step), where a dtype merely without a figure falls back to float32's.
 
     Example:
         >>> import torch
@@ -81,6 +85,7 @@ class DeviceSpec:
     source: str
     kind: str = "cuda"
     compute_capability: tuple[int, int] | None = None
+    unsupported_dtypes: tuple[torch.dtype, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -119,6 +124,15 @@ class DeviceSpec:
                 f"DeviceSpec {self.name!r} compute_capability must be a (major, minor) tuple of "
                 f"ints such as (9, 0), got {capability!r}"
             )
+        unsupported = self.unsupported_dtypes
+        if not isinstance(unsupported, tuple) or any(
+            not isinstance(dtype, torch.dtype) or dtype in self.flops_per_second
+            for dtype in unsupported
+        ):
+            raise UsageError(
+                f"DeviceSpec {self.name!r} unsupported_dtypes must be a tuple of torch dtypes "
+                f"that have no figure in flops_per_second, got {unsupported!r}"
+            )
         # Read-only, so that a preset shared by the whole process cannot be edited by accident.
         object.__setattr__(self, "flops_per_second", MappingProxyType(dict(self.flops_per_second)))
 
@@ -135,6 +149,7 @@ class DeviceSpec:
                 self.source,
                 self.kind,
                 self.compute_capability,
+                self.unsupported_dtypes,
             ),
         )
 
@@ -145,7 +160,9 @@ class DeviceSpec:
         integer and bool operations in a training step are elementwise and bandwidth-bound, so
         the figure hardly matters (float64 math is slower than float32's on most GPUs: give it
         a figure of its own where it matters). A roofline is the fastest the device could go;
-        real kernels reach a fraction of it.
+        real kernels reach a fraction of it. A dtype in ``unsupported_dtypes`` falls back the
+        same way, because raising inside a traced step can abort the process: ``estimate``
+        refuses such a step before it traces it (``check_dtypes``).
 
         Example:
             >>> import torch
@@ -160,3 +177,52 @@ class DeviceSpec:
         if rate is None:
             rate = self.flops_per_second[torch.float32]
         return max(flops / rate, bytes_moved / self.memory_bandwidth_bytes_per_second)
+
+    def check_dtypes(self, dtypes: Iterable[torch.dtype | None]) -> None:
+        """Raise ``UsageError`` if a step computing in any of ``dtypes`` cannot be timed here:
+        one of them is in ``unsupported_dtypes`` (bf16 on a V100 or T4). The message says which
+        dtype to estimate in instead. ``None`` entries are ignored.
+
+        Example:
+            >>> import torch
+            >>> from gradckpt.predict.devices import DEVICES
+            >>> DEVICES["t4-16gb"].check_dtypes([torch.float16, torch.float32, None])
+            >>> DEVICES["t4-16gb"].check_dtypes([torch.bfloat16])
+            Traceback (most recent call last):
+            ...
+            gradckpt.errors.UsageError: t4-16gb (NVIDIA T4 16GB) has no bfloat16 hardware ...
+        """
+        for dtype in dtypes:
+            if dtype in self.unsupported_dtypes:
+                raise UsageError(_unsupported_dtype_message(self, dtype))
+
+
+def _unsupported_dtype_message(spec: DeviceSpec, dtype: torch.dtype) -> str:
+    """Why ``spec`` cannot time ``dtype``, and which dtype to estimate in instead.
+
+    Example:
+        >>> import textwrap, torch
+        >>> from gradckpt.predict.devices import DEVICES
+        >>> print(textwrap.fill(_unsupported_dtype_message(DEVICES["t4-16gb"], torch.bfloat16), 88))
+        t4-16gb (NVIDIA T4 16GB) has no bfloat16 hardware (compute capability 7.5; bfloat16
+        tensor cores came with Ampere, 8.0), so a bfloat16 step has no speed to predict there.
+        Estimate it in float16 instead: dtype=torch.float16 (or autocast=torch.float16) from
+        Python, --dtype fp16 on the command line.
+    """
+    name = str(dtype).removeprefix("torch.")
+    why = []
+    if spec.compute_capability is not None:
+        why.append(f"compute capability {spec.compute_capability[0]}.{spec.compute_capability[1]}")
+    if dtype == torch.bfloat16:
+        why.append("bfloat16 tensor cores came with Ampere, 8.0")
+    detail = f" ({'; '.join(why)})" if why else ""
+    if torch.float16 in spec.flops_per_second:
+        instead = ("float16 instead: dtype=torch.float16 (or autocast=torch.float16) from "
+                   "Python, --dtype fp16 on the command line")
+    else:
+        instead = ("float32 instead: dtype=torch.float32 from Python, --dtype fp32 on the "
+                   "command line")
+    return (
+        f"{spec.name} ({spec.description}) has no {name} hardware{detail}, so a {name} step has "
+        f"no speed to predict there. Estimate it in {instead}."
+    )
