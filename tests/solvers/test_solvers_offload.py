@@ -198,3 +198,36 @@ def _gradients(model: torch.nn.Module, sample: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
     model(**sample).loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_memory_table_counts_offloaded_outputs_in_host_memory_not_the_device() -> None:
+    # A plan offloading every block's kept outputs: "what takes the memory" must not count
+    # them among the activations the device keeps (an 8B LoRA estimate for a 24 GB card once
+    # showed activations at 105% of its own peak), and lists them apart, outside the peak.
+    from gradckpt.measure.memory_parts import (
+        OFFLOADED,
+        PLAN_ACTIVATIONS,
+        memory_parts,
+        retained_activation_bytes,
+    )
+    from gradckpt.report import memory_breakdown_table
+
+    block = gpu_block("h.0")
+    profile = Profile([dataclasses.replace(block, name=f"h.{i}") for i in range(4)], 0, FIXED,
+                      10.0, device="cuda", notes={HOST_LINK: 1e12})
+    profile.peak_bytes = FIXED + simulate(profile, [])[0]
+    offload_all = [Segment(i, i, policy="offload-ops:aten.mm") for i in range(4)]
+    keep_all = [Segment(i, i, policy="save-ops:aten.mm") for i in range(4)]
+    plan = Plan("optimal", None, offload_all, FIXED + simulate(profile, offload_all)[0], 0.0,
+                0.0, block_names=[b.name for b in profile.blocks])
+    model = torch.nn.Linear(2, 2)
+    parts = dict(memory_parts(model, profile, plan).parts)
+    kept_choice = block.op_choices[0].kept_bytes
+    assert parts[OFFLOADED] == 4 * kept_choice
+    inputs = 4 * block.input_bytes
+    assert parts[PLAN_ACTIVATIONS] == inputs  # the segments' inputs only
+    assert retained_activation_bytes(profile, dataclasses.replace(plan, segments=keep_all)) == (
+        inputs + 4 * kept_choice)
+    table = memory_breakdown_table(memory_parts(model, profile, plan), 10**6)
+    offloaded_row = next(line for line in table.splitlines() if line.startswith(OFFLOADED))
+    assert offloaded_row.split()[-2:] == ["outside", "host"]

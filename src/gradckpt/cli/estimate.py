@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CommandLineError, explained_for_the_command_line
+from .fine_tuning import fine_tuned
 from .frontier import plot_plan
 from .model_lookup import resolve_model
 from .progress import progress_bar, stage
@@ -113,7 +114,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     spec = target_device(args.device)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
-    target = resolve_model(args.model, args.batch, args.seq, on_meta=True)
+    target = fine_tuned(
+        resolve_model(args.model, args.batch, args.seq, on_meta=True), args
+    )
     dtype_name = DTYPES[args.dtype] if args.dtype else target.config_dtype
     dtype = getattr(torch, dtype_name) if dtype_name else None
     optimizer = None if args.optimizer == "none" else args.optimizer
@@ -127,7 +130,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                               output_head=args.output_head)
     memory = memory_parts(target.model, profile, plan, optimizer=optimizer)
     parts = dict(memory.parts)
-    largest = max(parts, key=parts.get)
+    largest = max((name for name in parts if name not in memory.outside_peak), key=parts.get)
     world_size = memory.world_size
 
     names = [block.name for block in profile.blocks]

@@ -36,6 +36,8 @@ examples:
       --optimizer adamw                           # predicted: no GPU, no weights, < 1 min
   gradckpt plan llama-3-8b --estimate --device h100 --batch 1 --seq 8192 --budget 70GiB \\
       --optimizer adamw --world-size 8            # one rank of 8 sharding it (FSDP2, ZeRO-3)
+  gradckpt plan llama-3-8b --estimate --device rtx4090 --batch 1 --seq 4096 --budget 22GiB \
+      --optimizer adamw --dtype bf16 --lora 16    # LoRA adapters on a frozen bf16 base
 """
 
 
@@ -280,6 +282,19 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         help="with --estimate: train in this dtype (parameters, gradients, optimizer state and "
         "activations, as model.to(dtype) does); default: the config's torch_dtype, else the "
         "model's own (fp32)",
+    )
+    plan.add_argument(
+        "--lora",
+        type=_positive_int,
+        metavar="R",
+        help="fine-tune with LoRA adapters of rank R (PEFT, lora_alpha 2R) on a frozen base: "
+        "gradients and optimizer state of the adapters only; needs the hf extra",
+    )
+    plan.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="with --lora: the modules that get adapters, comma-separated (q_proj,v_proj); "
+        "default all-linear (every linear layer but the output head)",
     )
     plan.add_argument(
         "--drop-output",

@@ -12,6 +12,7 @@ from .builtin_models import builtin_list
 from .devices import resolve_device, to_device
 from .errors import CommandLineError, explained_for_the_command_line
 from .estimate import run_estimate, target_device, without_optimizer_note
+from .fine_tuning import check_lora_arguments, fine_tuned
 from .frontier import plot_plan
 from .known_configs import KNOWN_CONFIGS, known_config_rows
 from .model_lookup import check_measurable, check_model_name, resolve_model
@@ -52,7 +53,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.model in KNOWN_CONFIGS:
         check_measurable(args.model, device)
     stage(f"building {args.model}")
-    target = resolve_model(args.model, args.batch, args.seq)
+    target = fine_tuned(resolve_model(args.model, args.batch, args.seq), args)
     model = target.model.to(device).train()
     sample = to_device(target.sample, device)
     stage("profiling one training step and each block")
@@ -137,6 +138,7 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
             check_budget(args.budget)
         except UsageError as error:
             raise CommandLineError(f"--budget: {error}") from None
+    check_lora_arguments(args)
     if args.estimate:
         target_device(args.device)  # an unknown target is told before any slow work
 

@@ -17,14 +17,17 @@ from typing import Any, NamedTuple, Protocol
 
 from torch import nn
 
+from ..op_choices import HOST_LINK, PolicyCost, policy_cost
 from ..profile_types import Profile
 from .tensors import tensor_bytes
 
 __all__ = [
     "ACTIVATIONS", "CUDA_RESERVE", "CUDA_RESERVE_BYTES", "FSDP_GATHERED", "FSDP_ROOT",
     "GRADIENTS", "HEAD_CHUNK", "HEAD_UNDIVIDED", "MIXED_PRECISION_COPIES", "MemoryParts",
-    "OPTIMIZER_NAMES", "OPTIMIZER_STATE", "OUTPUT_HEAD", "PARAMETERS", "PLAN_ACTIVATIONS",
-    "THE_REST", "memory_parts", "one_head_chunk_bytes", "optimizer_state_label",
+    "OFFLOADED", "OPTIMIZER_NAMES", "OPTIMIZER_STATE", "OUTPUT_HEAD", "PARAMETERS",
+    "PLAN_ACTIVATIONS",
+    "THE_REST", "memory_parts", "offloaded_activation_bytes", "one_head_chunk_bytes",
+    "optimizer_state_label",
     "retained_activation_bytes",
 ]
 
@@ -48,6 +51,7 @@ FSDP_ROOT = "parameters outside the blocks and their gradients, in full (FSDP ro
 # recent GPUs and drivers) and the caching allocator's fragmentation. ``estimate`` adds a
 # fixed allowance for it on a GPU target; the peak does not count it.
 CUDA_RESERVE = "CUDA context and allocator reserve (outside the peak)"
+OFFLOADED = "activations offloaded to host memory (under this plan; not on the device)"
 CUDA_RESERVE_BYTES = 2 * 2**30
 # A plan's predicted peak beyond the other parts.
 THE_REST = "the rest (inputs, temporaries, recomputation)"
@@ -138,6 +142,9 @@ def memory_parts(
     renamed = {ACTIVATIONS: PLAN_ACTIVATIONS, OPTIMIZER_STATE: optimizer_state_label(optimizer)}
     named = {renamed.get(name, name): size for name, size in parts.items()}
     named[PLAN_ACTIVATIONS] = retained_activation_bytes(profile, plan)  # in the step's place
+    named[OFFLOADED] = offloaded_activation_bytes(profile, plan)
+    if named[OFFLOADED]:
+        outside |= {OFFLOADED}
     if plan.head_chunks > 1:  # one chunk's logits at a time
         head = profile.chunked_head(plan.head_chunks)
         # Its weight's gradient is alive through the chunked head's whole part of the step,
@@ -193,9 +200,10 @@ def optimizer_state_label(optimizer: str | None) -> str:
 
 
 def retained_activation_bytes(profile: Profile, plan: SolvedPlan) -> int:
-    """What the chain keeps for backward at the end of the forward pass under the plan: what
-    its kept blocks save, each segment's input, the matmul outputs a policy keeps, and the side
-    inputs (an encoder's output the decoder saves), which stay whatever the plan.
+    """What the chain keeps for backward at the end of the forward pass under the plan, on
+    the device: what its kept blocks save, each segment's input, the outputs a policy keeps
+    (``save-matmuls``, an op-level choice; not those it offloads, ``offloaded_activation_bytes``),
+    and the side inputs (an encoder's output the decoder saves), which stay whatever the plan.
 
     Example:
         >>> from gradckpt import solve
@@ -211,14 +219,35 @@ def retained_activation_bytes(profile: Profile, plan: SolvedPlan) -> int:
     covered = {index for segment in plan.segments for index in segment.blocks()}
     kept = sum(block.saved_bytes for index, block in enumerate(blocks) if index not in covered)
     inputs = sum(blocks[segment.start].input_bytes for segment in plan.segments)
-    matmuls = sum(
-        blocks[index].matmul_bytes
+    by_policy = sum(cost.kept_bytes for cost in _policy_costs(profile, plan))
+    sides = sum(block.side_bytes for block in blocks)
+    return kept + inputs + by_policy + sides
+
+
+def offloaded_activation_bytes(profile: Profile, plan: SolvedPlan) -> int:
+    """What the plan's policies move to host memory between each block's forward and its
+    recomputation (``"offload-ops:..."``): not on the device meanwhile.
+
+    Example:
+        >>> from gradckpt import solve
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> chain = Profile([example_block(f"b{i}") for i in range(4)], 300, 0, 12.0)
+        >>> offloaded_activation_bytes(chain, solve(chain, None, "every-layer"))
+        0
+    """
+    return sum(cost.offloaded_bytes for cost in _policy_costs(profile, plan))
+
+
+def _policy_costs(profile: Profile, plan: SolvedPlan) -> list[PolicyCost]:
+    """Each block under a policy of the plan (segments without children), as the solvers
+    price it."""
+    link = profile.notes.get(HOST_LINK)
+    return [
+        policy_cost(profile.blocks[index], segment.policy, link)
         for segment in plan.segments
         if segment.policy and not segment.children
         for index in segment.blocks()
-    )
-    sides = sum(block.side_bytes for block in blocks)
-    return kept + inputs + matmuls + sides
+    ]
 
 
 def _step_parts(model: nn.Module, profile: Profile, mixed_precision_copy_bytes: int,

@@ -29,6 +29,7 @@ import textwrap
 from ..budget import format_bytes
 from ..measure.memory_parts import (
     GRADIENTS,
+    OFFLOADED,
     OPTIMIZER_STATE,
     PARAMETERS,
     MemoryParts,
@@ -93,8 +94,8 @@ def memory_breakdown_table(memory: MemoryParts, device_bytes: int | None = None)
         of_peak = ("outside" if name in memory.outside_peak
                    else _share(size, memory.predicted_peak_bytes))
         row = [part_label(name, memory.world_size), format_bytes(size), of_peak]
-        if device_bytes:
-            row.append(_share(size, device_bytes))
+        if device_bytes:  # what is offloaded lies in the host's memory, not the device's
+            row.append("host" if name == OFFLOADED else _share(size, device_bytes))
         rows.append(row)
     return f"{format_table(header, rows)}\n{parts_against_peak(memory)}"
 

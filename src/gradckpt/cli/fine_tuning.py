@@ -1,0 +1,120 @@
+"""``--lora R``: plan fine-tuning with adapters on a frozen base, as users fine-tune.
+
+The model ``gradckpt plan`` built (measured, or on the meta device for ``--estimate``) is
+wrapped with PEFT's LoRA before it is profiled: the base's parameters frozen, adapters of rank R
+(``lora_alpha`` 2R, PEFT's defaults otherwise) on the target modules. The plan then counts what
+LoRA training holds: gradients and optimizer state of the adapters only, the frozen weights, and
+the activations the adapters' backward still needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .builtin_models import PlanTarget
+from .errors import CommandLineError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["DEFAULT_TARGETS", "check_lora_arguments", "fine_tuned", "with_lora"]
+
+# PEFT's name for every linear layer but the output head: the QLoRA paper's recipe, and what
+# fine-tuning scripts now default to.
+DEFAULT_TARGETS = "all-linear"
+
+
+def check_lora_arguments(args: argparse.Namespace) -> None:
+    """What can be wrong with ``--lora`` and ``--lora-targets`` before any slow work.
+
+    Example:
+        >>> arguments = argparse.Namespace(lora=None, lora_targets="q_proj")
+        >>> check_lora_arguments(arguments)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        gradckpt.cli.errors.CommandLineError: --lora-targets names the modules that get ...
+    """
+    if args.lora is None:
+        if args.lora_targets is not None:
+            raise CommandLineError(
+                "--lora-targets names the modules that get adapters: add --lora R (the "
+                "adapters' rank, e.g. --lora 16)"
+            )
+        return
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise CommandLineError(
+            "--lora needs PEFT: pip install 'gradckpt[hf]' (or pip install peft)"
+        ) from None
+
+
+def fine_tuned(target: PlanTarget, args: argparse.Namespace) -> PlanTarget:
+    """``target`` as the command line trains it: with LoRA adapters when ``--lora`` is given
+    (its description saying so), else as it is.
+
+    Example:
+        >>> from gradckpt.cli.builtin_models import BUILTIN_MODELS
+        >>> target = BUILTIN_MODELS["mlp-chain"][1](2, 4)
+        >>> fine_tuned(target, argparse.Namespace(lora=None, lora_targets=None)) is target
+        True
+    """
+    if args.lora is None:
+        return target
+    model, phrase = with_lora(target.model, args.lora, args.lora_targets)
+    return dataclasses.replace(target, model=model, description=f"{target.description} + {phrase}")
+
+
+def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Module, str]:
+    """``model`` with LoRA adapters of ``rank`` on ``targets`` (comma-separated module
+    names, or ``"all-linear"``, the default), its base frozen; and a phrase for the
+    description line.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
+        >>> model, phrase = with_lora(base, 4, "q_proj,v_proj")
+        >>> phrase
+        'LoRA r=4 on q_proj, v_proj (512 trainable of 7.76k parameters)'
+    """
+    import peft
+
+    chosen = targets or DEFAULT_TARGETS
+    modules: str | list[str] = (
+        chosen if chosen == DEFAULT_TARGETS
+        else [name.strip() for name in chosen.split(",") if name.strip()]
+    )
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules)
+    try:
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as error:
+        raise CommandLineError(
+            f"--lora-targets {chosen}: {error}; this model's linear layers are named "
+            f"{', '.join(_linear_names(model))} (or pass --lora-targets {DEFAULT_TARGETS})"
+        ) from None
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum({id(p): p.numel() for p in wrapped.parameters()}.values())
+    where = chosen if chosen == DEFAULT_TARGETS else ", ".join(modules)
+    return wrapped, f"LoRA r={rank} on {where} ({_short(trainable)} trainable of " \
+                    f"{_short(total)} parameters)"
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what ``target_modules`` takes)."""
+    from torch import nn
+
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, nn.Linear)}
+    return sorted(names)
+
+
+def _short(count: int) -> str:
+    """A parameter count in three digits: 37.6k, 41.9M, 8.07B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return str(count)
