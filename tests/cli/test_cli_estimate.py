@@ -56,7 +56,10 @@ def test_a_config_json_estimated_for_an_h100_prints_plan_breakdown_and_fit(estim
     result, _ = estimated
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert out.startswith("LlamaForCausalLM from ")
+    first, second = out.splitlines()[:2]
+    assert first.startswith("fits: predicted peak ") and "predicted extra time +" in first
+    assert out.splitlines().count(first) == 2  # the answer first, and again after the tables
+    assert second.startswith("LlamaForCausalLM from ")
     assert "batch 2 x 32, float32, optimizer adamw" in out
     assert "estimated for h100-80gb (NVIDIA H100 SXM5 80GB: 80.00 GiB" in out
     assert "model.layers.0" in out and "model.layers.1" in out  # the per-block table
@@ -171,7 +174,9 @@ def test_a_reduced_known_config_estimates_end_to_end(monkeypatch, tmp_path, caps
     assert main(["plan", "llama-tiny", "--estimate", "--device", device, "--batch", "1",
                  "--seq", "16", "--strategy", "none", "--json", str(tmp_path / "e.json")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("LlamaForCausalLM llama-tiny (meta-llama/Meta-Llama-3-8B's config")
+    assert out.startswith("does not fit: predicted peak ")
+    assert out.splitlines()[1].startswith(
+        "LlamaForCausalLM llama-tiny (meta-llama/Meta-Llama-3-8B's config")
     assert "batch 1 x 16, bfloat16, optimizer none" in out
     assert "does not fit: predicted peak " in out and "usable on toy" in out
     assert "CUDA context" not in out  # a CPU has none

@@ -33,7 +33,7 @@ def test_an_estimate_with_lora_counts_the_adapters_only(config, tmp_path, capsys
     _, full = _plan_json(arguments, tmp_path / "full.json", capsys)
     out, lora = _plan_json([*arguments, "--lora", "4"], tmp_path / "lora.json", capsys)
 
-    assert out.startswith("LlamaForCausalLM from ")
+    assert out.splitlines()[1].startswith("LlamaForCausalLM from ")
     assert "+ LoRA r=4 on all-linear (" in out and " trainable of " in out
     parts, full_parts = lora["memory_parts"], full["memory_parts"]
     state = f"{OPTIMIZER_STATE} (AdamW)"

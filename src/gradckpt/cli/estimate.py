@@ -101,6 +101,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         >>> arguments = ["plan", "mlp-chain", "--estimate", "--device", "a100-40gb",
         ...              "--batch", "2", "--seq", "4", "--strategy", "sqrt"]
         >>> run_estimate(build_parser().parse_args(arguments))  # doctest: +ELLIPSIS
+        fits: predicted peak ... of 38.00 GiB usable on a100-40gb ...
         mlp_chain(16, 256): 1.05M parameters, 16 blocks (0 .. 15), batch 2 x 4, float32, ...
         0
     """
@@ -133,6 +134,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     largest = max((name for name in parts if name not in memory.outside_peak), key=parts.get)
     world_size = memory.world_size
 
+    # The answer first (fits or not, at what peak and extra time), then what it rests on; the
+    # same line ends the output, after the tables.
+    verdict = fit_line(profile, plan, spec)
+    print(verdict)
     names = [block.name for block in profile.blocks]
     parameter_count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
     trained_dtype = _trained_dtype(target.model, dtype)
@@ -159,7 +164,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     options = head_chunk_options(profile, plan.head_chunks)
     if options:
         print(options)
-    print(fit_line(profile, plan, spec))
+    print(verdict)
     print(
         f"Predicted on fake tensors for {_device_name(spec)}; times are rooflines (the fastest "
         "it could run each operation): read the extra time as a share of the step, not as "
@@ -184,8 +189,8 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
-    """Whether the plan's predicted peak fits what the device has for it, and if not, what
-    would.
+    """Whether the plan's predicted peak fits what the device has for it, at what predicted
+    extra time; and if not, what would.
 
     Example:
         >>> import torch, gradckpt
@@ -193,7 +198,7 @@ def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
         >>> profile = gradckpt.estimate(mlp_chain(4, 8), torch.randn(16, 8), device="l4")
         >>> l4 = gradckpt.predict.devices.DEVICES["l4-24gb"]
         >>> print(fit_line(profile, gradckpt.solve(profile, None, "none"), l4))
-        fits: predicted peak ... KiB of 22.00 GiB usable on l4-24gb (24.00 GiB less 2.00 GiB for the CUDA context and allocator reserve)
+        fits: predicted peak ... KiB of 22.00 GiB usable on l4-24gb (24.00 GiB less 2.00 GiB for the CUDA context and allocator reserve); predicted extra time +0.0% (none)
     """  # noqa: E501  (a doctest's output is one line)
     from gradckpt import BudgetError, solve
     from gradckpt.budget import format_bytes
@@ -212,7 +217,8 @@ def fit_line(profile: Profile, plan: Plan, spec: DeviceSpec) -> str:
     if world_size > 1:
         peak = f"per rank {peak}"
     if plan.predicted_peak_bytes <= usable_bytes:
-        return f"fits: predicted peak {peak} of {room}"
+        return (f"fits: predicted peak {peak} of {room}; predicted extra time "
+                f"+{100 * plan.predicted_overhead:.1f}% ({plan.strategy})")
     try:
         solve(profile, 1, "optimal")
         least_bytes = 1  # pragma: no cover - no plan fits in one byte
