@@ -79,9 +79,11 @@ def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Modu
         ...     intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
         >>> model, phrase = with_lora(base, 4, "q_proj,v_proj")
         >>> phrase
-        'LoRA r=4 on q_proj, v_proj (512 trainable of 7.76k parameters)'
+        'LoRA r=4 on q_proj, v_proj (512 trainable of 7.76K parameters)'
     """
     import peft
+
+    from .estimate import count_words  # here: estimate imports this module
 
     chosen = targets or DEFAULT_TARGETS
     modules: str | list[str] = (
@@ -99,8 +101,8 @@ def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Modu
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum({id(p): p.numel() for p in wrapped.parameters()}.values())
     where = chosen if chosen == DEFAULT_TARGETS else ", ".join(modules)
-    return wrapped, f"LoRA r={rank} on {where} ({_short(trainable)} trainable of " \
-                    f"{_short(total)} parameters)"
+    return wrapped, f"LoRA r={rank} on {where} ({count_words(trainable)} trainable of " \
+                    f"{count_words(total)} parameters)"
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -110,11 +112,3 @@ def _linear_names(model: nn.Module) -> list[str]:
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
              if isinstance(module, nn.Linear)}
     return sorted(names)
-
-
-def _short(count: int) -> str:
-    """A parameter count in three digits: 37.6k, 41.9M, 8.07B."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if count >= scale:
-            return f"{count / scale:.3g}{suffix}"
-    return str(count)
