@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["format_table"]
+__all__ = ["format_count", "format_table"]
 
 
 def format_table(
@@ -41,3 +41,16 @@ def format_table(
         ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def format_count(n: int) -> str:
+    """A count as people say it: 8.03B parameters, 124M, 1.05K.
+
+    Example:
+        >>> format_count(8_030_261_248), format_count(124_439_808), format_count(512)
+        ('8.03B', '124M', '512')
+    """
+    for size, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{suffix}"
+    return str(n)

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradckpt.tables import format_count
+
 from .errors import CommandLineError, explained_for_the_command_line
 from .fine_tuning import fine_tuned
 from .frontier import plot_plan
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from gradckpt.predict.devices import DeviceSpec
     from gradckpt.profile_types import Profile
 
-__all__ = ["DTYPES", "count_words", "run_estimate", "target_device", "without_optimizer_note"]
+__all__ = ["DTYPES", "run_estimate", "target_device", "without_optimizer_note"]
 
 # --dtype: the short names people write, and torch's.
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -142,7 +144,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     parameter_count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
     trained_dtype = _trained_dtype(target.model, dtype)
     print(
-        f"{target.description}: {count_words(parameter_count)} parameters, {len(names)} blocks "
+        f"{target.description}: {format_count(parameter_count)} parameters, {len(names)} blocks "
         f"({names[0]} .. {names[-1]}), batch {args.batch} x {args.seq}, {trained_dtype}, "
         f"optimizer {args.optimizer}{_per_rank(world_size)}"
     )
@@ -292,14 +294,6 @@ def _per_rank(world_size: int) -> str:
 
 def _device_name(spec: DeviceSpec) -> str:
     return "this machine" if spec.name == "this" else spec.name
-
-
-def count_words(n: int) -> str:
-    """A parameter count as people say it: 8.03B, 124M, 1.05M."""
-    for size, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if n >= size:
-            return f"{n / size:.3g}{suffix}"
-    return str(n)
 
 
 def _trained_dtype(model: Any, dtype: Any) -> str:

@@ -13,6 +13,8 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
+from gradckpt.tables import format_count
+
 from .builtin_models import PlanTarget
 from .errors import CommandLineError
 
@@ -83,7 +85,6 @@ def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Modu
     """
     import peft
 
-    from .estimate import count_words  # here: estimate imports this module
 
     chosen = targets or DEFAULT_TARGETS
     modules: str | list[str] = (
@@ -101,8 +102,8 @@ def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Modu
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum({id(p): p.numel() for p in wrapped.parameters()}.values())
     where = chosen if chosen == DEFAULT_TARGETS else ", ".join(modules)
-    return wrapped, f"LoRA r={rank} on {where} ({count_words(trainable)} trainable of " \
-                    f"{count_words(total)} parameters)"
+    return wrapped, f"LoRA r={rank} on {where} ({format_count(trainable)} trainable of " \
+                    f"{format_count(total)} parameters)"
 
 
 def _linear_names(model: nn.Module) -> list[str]:
