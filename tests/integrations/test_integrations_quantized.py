@@ -1,0 +1,189 @@
+"""QLoRA: a bitsandbytes 4-bit base under LoRA adapters, measured, estimated and trained (issue
+26, item 1).
+
+What a 4-bit layer holds and creates is measured on the real bitsandbytes layer, on its CPU
+backend: ``profile`` of a real quantised model is the reference, and ``estimate`` of the same
+model built on the meta device (never quantised, nothing allocated) must predict it to the byte.
+bitsandbytes' CPU dequantisation costs ~30 ms a call whatever the size, so the models are tiny
+and each real profile is shared by the tests that read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import pytest
+import torch
+from engine_models import assert_identical, gradients, parameters
+from torch import nn
+
+import gradckpt
+from gradckpt.ecosystem_hooks import ecosystem_hooks_on
+from gradckpt.errors import UsageError
+from gradckpt.measure import MemoryMeter
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+from gradckpt.integrations.quantized import quantize_linear_layers  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional CPU kernel hub
+
+VOCAB, BATCH, SEQ = 128, 2, 32
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+}
+
+
+def qlora(family: str, *, meta: bool, lora: bool = True) -> nn.Module:
+    """The family's tiny causal LM in bf16, its linear layers in NF4 (double quantisation),
+    LoRA r=4 on every linear layer: real and quantised now, or on meta."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    with torch.device("meta" if meta else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    quantize_linear_layers(model)
+    if not lora:
+        return model
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules="all-linear"))
+
+
+def batch(device: str = "cpu") -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def numbers(profile: gradckpt.Profile) -> dict[str, int]:
+    """Every byte count of a profile and of its blocks."""
+    flat = {k: v for k, v in dataclasses.asdict(profile).items() if isinstance(v, int)}
+    for block in profile.blocks:
+        flat.update({f"{block.name}.{k}": v for k, v in dataclasses.asdict(block).items()
+                     if isinstance(v, int) and not isinstance(v, bool)})
+    return flat
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def measured(request: pytest.FixtureRequest) -> tuple[str, gradckpt.Profile]:
+    family = request.param
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return family, gradckpt.profile(qlora(family, meta=False), batch(), optimizer="adamw",
+                                        repeats=1)
+
+
+def test_an_estimate_of_a_qlora_model_on_meta_is_its_measured_profile_to_the_byte(measured):
+    family, profile = measured
+    model = qlora(family, meta=True)
+    predicted = gradckpt.estimate(model, batch("meta"), optimizer="adamw")
+    assert numbers(predicted) == numbers(profile)
+
+
+def test_the_measurement_counts_the_dequantised_weight_and_the_quantisation_state():
+    """Seen from outside, bitsandbytes' gemm_4bit makes only its output; the layer dequantises
+    its whole weight inside, and keeps its scales outside any parameter or buffer."""
+    torch.manual_seed(0)
+    layer = quantize_linear_layers(nn.Sequential(nn.Linear(256, 512).to(torch.bfloat16)))[0]
+    x = torch.randn(8, 256, dtype=torch.bfloat16, requires_grad=True)
+    state = layer.weight.quant_state
+    state_bytes = sum(t.nbytes for t in (state.absmax, state.code, state.offset,
+                                          state.state2.absmax, state.state2.code))
+
+    def forward_peak(hooked: bool) -> tuple[int, int]:
+        context = ecosystem_hooks_on(layer) if hooked else warnings.catch_warnings()
+        with context, MemoryMeter("cpu", layer, x) as meter:
+            start = meter.current()
+            layer(x)
+        return start, meter.peak() - start
+
+    bare_start, bare_peak = forward_peak(hooked=False)
+    start, peak = forward_peak(hooked=True)
+    output_bytes, weight_bytes = 8 * 512 * 2, 512 * 256 * 2
+    assert bare_peak == output_bytes  # the opaque kernel
+    assert peak >= output_bytes + weight_bytes  # the dequantised weight, transient
+    assert start - bare_start == state_bytes
+    assert "forward" not in layer.__dict__ and "gradckpt_absmax" not in layer._buffers
+
+
+def test_a_planned_qlora_loop_fits_its_budget_and_trains_bit_for_bit():
+    """enable() on a real 4-bit base with LoRA; four AdamW steps as a fine-tuning script runs
+    them; steps 2-4 metered (with the quantisation state counted) against the plain run."""
+
+    def run(planned: bool) -> tuple[int, dict, dict, gradckpt.Plan | None]:
+        model = qlora("llama", meta=False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        plan = None
+        if planned:
+            plan = gradckpt.enable(model, batch(), "70%", optimizer=optimizer)
+        torch.manual_seed(7)
+        data = batch()
+        out = None
+
+        def step() -> None:
+            nonlocal out
+            out = model(**data)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        with ecosystem_hooks_on(model), MemoryMeter("cpu", model, optimizer, *data.values()) as m:
+            for _ in range(3):
+                step()
+        out = None
+        trained = parameters(model)
+        model(**data).loss.backward()
+        return m.peak(), trained, gradients(model), plan
+
+    plain_peak, plain_parameters, plain_gradients, _ = run(planned=False)
+    peak, trained, grads, plan = run(planned=True)
+    assert plan.segments, plan
+    assert peak < plain_peak
+    assert peak <= plan.budget_bytes * 1.03, (peak, plan.budget_bytes)
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.03 * peak, (plan.predicted_peak_bytes, peak)
+    assert_identical(trained, plain_parameters, "parameters")
+    assert_identical(grads, plain_gradients, "gradients")
+
+
+def test_estimating_leaves_a_meta_qlora_model_exactly_as_it_was():
+    model = qlora("llama", meta=True)
+    before = {name: (type(t), t.shape, t.dtype) for name, t in model.state_dict().items()}
+    gradckpt.estimate(model, batch("meta"))
+    after = {name: (type(t), t.shape, t.dtype) for name, t in model.state_dict().items()}
+    assert after == before
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all("forward" not in m.__dict__ for m in layers)
+    assert all(not m.weight.bnb_quantized and m.weight.dim() == 2 for m in layers)
+
+
+class _ForeignQuantLinear(nn.Linear):
+    """Stands for a GPTQ layer: gradckpt knows quantisers by their package."""
+
+
+_ForeignQuantLinear.__module__ = "auto_gptq.nn_modules.qlinear"
+
+
+@pytest.mark.parametrize("quantizer", ["gptq", "bnb-8bit"])
+def test_a_quantiser_gradckpt_does_not_model_is_named_and_the_model_left_alone(quantizer):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    if quantizer == "gptq":
+        model[1] = _ForeignQuantLinear(8, 8)
+        name = "GPTQ"
+    else:
+        model[1] = bnb.nn.Linear8bitLt(8, 8, has_fp16_weights=False)
+        name = "bitsandbytes 8-bit"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UsageError, match=name) as raised:
+        gradckpt.estimate(model, torch.randn(2, 8))
+    assert "bitsandbytes 4-bit" in str(raised.value)
+    assert set(model.state_dict()) == set(before)
