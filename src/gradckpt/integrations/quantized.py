@@ -158,6 +158,9 @@ def quantize_linear_layers(
             layer.bias = nn.Parameter(linear.bias.data, requires_grad=linear.bias.requires_grad)
         layer.train(linear.training)
         setattr(parent, name, layer)
+    # What Transformers' 4-bit loading sets: PEFT reads it to wrap these layers with its
+    # bitsandbytes LoRA layer (which, for one, clones the base's output) as it would on a GPU.
+    model.is_loaded_in_4bit = True
     return model
 
 
