@@ -26,14 +26,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from . import clock
 from .device import infer_device
 
 __all__ = ["MemoryMeter", "measure_peak_bytes"]
 
 
-class MemoryMeter(TorchDispatchMode):
+class MemoryMeter:
     """Allocated bytes on ``device`` now (``current()``) and the most since the meter started or
     since ``reset_peak()`` (``peak()``).
 
@@ -55,7 +56,6 @@ class MemoryMeter(TorchDispatchMode):
     """
 
     def __init__(self, device: torch.device | str, *tracked: Any) -> None:
-        super().__init__()
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the memory meter supports cpu and cuda, not {self.device.type!r}")
@@ -69,15 +69,20 @@ class MemoryMeter(TorchDispatchMode):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        self._tracker = _mem_tracker()
+        # On fake tensors (``estimate``, under a modeled clock) the tracker runs without the
+        # Dynamo guard TorchDispatchMode puts around each dispatch: nothing is compiled there.
+        self._tracker = _mem_tracker(guarded=not clock.modeled())
         if self._tracked:
             self._tracker.track_external(*self._tracked)
         # MemTracker keeps what it needs; holding them here would keep alive for the whole
         # measurement what the measured code lets go (a loop's previous output).
         self._tracked = []
+        # The tracker reads the total after every operation it sees, for this meter: the same
+        # operations a mode entered just above it would see, one dispatch layer fewer.
+        self._tracker.after_each_operation = self._operation_done
         self._tracker.__enter__()
         self._highest = self.current()
-        return super().__enter__()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
@@ -85,7 +90,6 @@ class MemoryMeter(TorchDispatchMode):
             return
         self._highest = self.peak()
         self._exited = True
-        super().__exit__(*exc)
         self._tracker.__exit__(*exc)
 
     def current(self) -> int:
@@ -108,10 +112,8 @@ class MemoryMeter(TorchDispatchMode):
         else:
             self._highest = self.current()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        output = func(*args, **(kwargs or {}))
+    def _operation_done(self) -> None:
         self._highest = max(self._highest, self.current())
-        return output
 
 
 def measure_peak_bytes(
@@ -146,6 +148,17 @@ def measure_peak_bytes(
     return meter.peak()
 
 
+def _tensors_of(result: Any) -> list[torch.Tensor]:
+    """The tensors an operation returned: itself, or those in a list or tuple (an ATen
+    operation's outputs nest no deeper); anything else as a pytree."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (list, tuple)) and all(
+            item is None or isinstance(item, torch.Tensor) for item in result):
+        return [item for item in result if item is not None]
+    return [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+
+
 class _NoHook:
     """Stands in for a gradient hook MemTracker would have put on a frozen parameter."""
 
@@ -153,14 +166,17 @@ class _NoHook:
         pass
 
 
-def _mem_tracker() -> Any:
-    return _mem_tracker_class()()
+def _mem_tracker(guarded: bool) -> Any:
+    return _mem_tracker_class(guarded)()
 
 
 @functools.cache
-def _mem_tracker_class() -> type:
+def _mem_tracker_class(guarded: bool) -> type:
     # Imported here: torch.distributed is not built into every torch wheel (e.g. some macOS ones).
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import DTensor, MemTracker, _MemRefType
+
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
     class _MemTracker(MemTracker):
         """MemTracker counting totals only.
@@ -179,6 +195,33 @@ def _mem_tracker_class() -> type:
         def __init__(self) -> None:
             super().__init__()
             self._mod_tracker = _FirstForwardTracker(self)
+            self.after_each_operation: Callable[[], None] = lambda: None
+            self._device_matches: dict[Any, dict[torch.device, bool]] = {}
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return guarded
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            # MemTracker's own, less its per-operation costs: a pytree map (a wrapper function
+            # made per call) over the outputs, and peak statistics per module.
+            if DTensor in types:  # DTensor's local operations come back here
+                return NotImplemented
+            if func is wait_tensor and active_fake_mode():
+                result = args[0]  # as in eager, a wait returns its input (MemTracker's note)
+            else:
+                result = func(*args, **(kwargs or {}))
+            if active_fake_mode() is self._fake_mode_on_entry:
+                if self._in_opt:
+                    reftype = _MemRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _MemRefType.TEMP
+                else:
+                    reftype = _MemRefType.ACT
+                for tensor in _tensors_of(result):
+                    self._track(reftype, tensor)
+            self.after_each_operation()
+            return result
 
         def _track_module_params_and_buffers(
             self, module: nn.Module, install_grad_hooks: bool = True
@@ -193,9 +236,15 @@ def _mem_tracker_class() -> type:
 
         def total_bytes(self, device: torch.device) -> int:
             """Bytes counted on ``device`` now (the snapshot's "Total", without copying it)."""
-            return int(sum(breakdown.get("Total", 0)
-                           for where, breakdown in self._curr_mem_snap.items()
-                           if torch.device(where) == device))
+            matches = self._device_matches.setdefault(device, {})
+            total = 0
+            for where, breakdown in self._curr_mem_snap.items():
+                match = matches.get(where)
+                if match is None:
+                    match = matches[where] = torch.device(where) == device
+                if match:
+                    total += breakdown.get("Total", 0)
+            return int(total)
 
     return _MemTracker
 
