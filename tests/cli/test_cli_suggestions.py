@@ -104,7 +104,7 @@ def test_a_bare_number_as_budget_is_refused_at_once_with_what_was_meant(budget, 
         (["plan", "tinygpt", "--bugdet", "6GiB", "--sqe", "8"],
          "did you mean --budget for --bugdet, --seq or --seed for --sqe?"),
         (["plna"], "argument COMMAND: invalid choice: 'plna'; did you mean 'plan'? (choose "
-         "from 'demo', 'plan')"),
+         "from 'demo', 'plan', 'fit')"),
         (["plan", "tinygpt", "--optimizer", "adamw8bit"],
          "invalid choice: 'adamw8bit'; did you mean 'adamw-8bit'?"),
     ],

@@ -6,17 +6,21 @@
                                     the same, predicted for a target device without running
                                     the model (no weights: 8B models plan on a laptop)
     gradckpt plan --list            the built-in models and known configs (llama-3-8b, ...)
+    gradckpt fit MODEL --device rtx4090
+                                    when the step does not fit: the cheapest changes that do
+                                    (LoRA, bf16, a smaller micro-batch, more GPUs, ...)
     gradckpt --version
 
 Exit status: 0 done; 1 an error while working (a missing file, a factory that raised, a budget
 no plan meets); 2 a usage error (the command line itself is wrong). Every error is one line on
 stderr; ``--debug`` shows the traceback instead. ``python -m gradckpt`` is the same command.
 
-The modules: ``parser`` (the arguments), one per command (``demo``, ``plan``, and
-``estimate`` for ``plan --estimate``) and the pieces they are made of (``known_configs``: the
-hyper-parameters of well-known models), ``progress`` (the only place gradckpt draws progress;
-the core gets it as a callback). Models from Hugging Face configs come from
-``gradckpt.integrations.hf``.
+The modules: ``parser`` (the arguments; ``step_arguments`` checks those ``plan`` and ``fit``
+share), one per command (``demo``, ``plan``, ``estimate`` for ``plan --estimate``, ``fit``) and
+the pieces they are made of (``known_configs``: the hyper-parameters of well-known models),
+``progress`` (the only place gradckpt draws progress; the core gets it as a callback). Models
+from Hugging Face configs come from ``gradckpt.integrations.hf``; ``fit``'s search from
+``gradckpt.integrations.fit``.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from .fine_tuning import fine_tuned
 from .frontier import plot_plan
 from .model_lookup import resolve_model
 from .progress import progress_bar, stage
+from .step_arguments import autocast_dtype, step_words
 
 if TYPE_CHECKING:
     from torch import nn
@@ -120,12 +121,15 @@ def run_estimate(args: argparse.Namespace) -> int:
     target = fine_tuned(
         resolve_model(args.model, args.batch, args.seq, on_meta=True), args
     )
-    dtype_name = DTYPES[args.dtype] if args.dtype else target.config_dtype
+    # Mixed precision (--autocast) keeps fp32 weights, whatever dtype the config names.
+    dtype_name = (DTYPES[args.dtype] if args.dtype
+                  else "float32" if args.autocast else target.config_dtype)
     dtype = getattr(torch, dtype_name) if dtype_name else None
     optimizer = None if args.optimizer == "none" else args.optimizer
     with progress_bar(f"gradckpt: estimating on fake tensors for {spec.name}") as report:
         profile = gradckpt.estimate(
             target.model, target.sample, device=spec, optimizer=optimizer, dtype=dtype,
+            autocast=autocast_dtype(args), accumulation_steps=args.accumulation_steps,
             keep_output=not args.drop_output, world_size=args.world_size, progress=report,
         )
     with explained_for_the_command_line():  # "auto": the target's memory (solve reads it)
@@ -146,7 +150,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(
         f"{target.description}: {format_count(parameter_count)} parameters, {len(names)} blocks "
         f"({names[0]} .. {names[-1]}), batch {args.batch} x {args.seq}, {trained_dtype}, "
-        f"optimizer {args.optimizer}{_per_rank(world_size)}"
+        f"optimizer {args.optimizer}{step_words(args)}{_per_rank(world_size)}"
     )
     print(f"estimated for {format_device(spec)}")
     held = ", the optimizer's state included" if optimizer else ""

@@ -14,12 +14,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from gradckpt import __version__
+from gradckpt.integrations.fit import LEVERS
 
 from .demo import run_demo
 from .demo_size import DEFAULT_DEMO, QUICK_DEMO
 from .errors import close_matches, did_you_mean, either
 from .estimate import DTYPES
+from .fit import run_fit
 from .plan import run_plan
+from .step_arguments import AUTOCAST
 
 __all__ = ["EXAMPLES", "build_parser"]
 
@@ -36,9 +39,30 @@ examples:
       --optimizer adamw                           # predicted: no GPU, no weights, < 1 min
   gradckpt plan llama-3-8b --estimate --device h100 --batch 1 --seq 8192 --budget 70GiB \\
       --optimizer adamw --world-size 8            # one rank of 8 sharding it (FSDP2, ZeRO-3)
-  gradckpt plan llama-3-8b --estimate --device rtx4090 --batch 1 --seq 4096 --budget 22GiB \
+  gradckpt plan llama-3-8b --estimate --device rtx4090 --batch 1 --seq 4096 --budget 22GiB \\
       --optimizer adamw --dtype bf16 --lora 16    # LoRA adapters on a frozen bf16 base
+  gradckpt plan tinygpt --batch 2 --accumulation-steps 8 --autocast bf16 --trainer
+                                                  # the Trainer's loop, bf16=True, 8 x 2
+  gradckpt fit llama-3-8b --device rtx4090 --batch 1 --seq 4096 --optimizer adamw
+                                                  # does not fit: the cheapest changes that do
 """
+
+FIT_EXAMPLES = """\
+examples:
+  gradckpt fit llama-3-8b --device rtx4090 --batch 1 --seq 4096 --optimizer adamw
+  gradckpt fit llama-3-8b --device rtx4090 --batch 1 --seq 4096 --trainer --lora 16
+  gradckpt fit path/to/config.json --device a100-40gb --batch 8 --seq 2048 --budget 30GiB \\
+      --levers recompute,chunked-head,micro-batch,autocast   # no LoRA, no more GPUs
+"""
+
+# What MODEL may be, for the descriptions of plan and fit.
+_MODEL_HELP = (
+    "MODEL is a Hugging Face config.json (or a folder holding one; the model is built with "
+    "random weights, nothing is downloaded), a built-in name or a known config of a "
+    "well-known model such as llama-3-8b (hyper-parameters only; plan --list shows them), or "
+    "package.module:factory, a function returning a module or (module, sample); it gets "
+    "batch= and seq= when it takes them."
+)
 
 
 # A token starting with "-" then a digit (or ".digit") is a value, never a flag: no gradckpt flag
@@ -164,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo_parser(commands, debug_parent)
-    _add_plan_parser(commands, debug_parent)
+    step_parent = _step_parent()
+    _add_plan_parser(commands, debug_parent, step_parent)
+    _add_fit_parser(commands, debug_parent, step_parent)
     return parser
 
 
@@ -216,20 +242,122 @@ def _add_demo_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
     demo.set_defaults(func=run_demo)
 
 
-def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> None:
+def _step_parent() -> argparse.ArgumentParser:
+    """The arguments ``plan`` and ``fit`` share: the model, the training step and the device
+    (``cli/step_arguments.py`` checks them)."""
+    step = argparse.ArgumentParser(add_help=False)
+    step.add_argument("model", nargs="?", metavar="MODEL", help="what to plan (see above)")
+    step.add_argument("--batch", type=_positive_int, default=4,
+                      help="batch size: one micro-batch, one rank's (default 4)")
+    step.add_argument(
+        "--seq", type=_positive_int, default=128, help="tokens per sequence (default 128)"
+    )
+    step.add_argument(
+        "--budget",
+        help="peak memory of a training step: 6GiB, 512MiB, 6GB, 60%% (of the peak without "
+        "checkpointing) or auto (the default: what --device has; measured, what it has free "
+        "now; predicted, what the target device has for the peak); the strategies none, "
+        "every-layer and sqrt need none",
+    )
+    step.add_argument(
+        "--optimizer",
+        choices=["none", "adam", "adamw", "adamw-8bit", "sgd"],
+        help="count the optimizer's state in the peak and budget: adam or adamw (2 values per "
+        "trainable parameter, in its dtype), adamw-8bit (bitsandbytes: 2 bytes per parameter), "
+        "sgd (none, without momentum); default none (adamw with --trainer)",
+    )
+    step.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="predicted steps only (plan --estimate, fit): train in this dtype (parameters, "
+        "gradients, optimizer state and activations, as model.to(dtype) does); default: the "
+        "config's torch_dtype, else the model's own (fp32); fp32 with --autocast",
+    )
+    step.add_argument(
+        "--autocast",
+        choices=list(AUTOCAST),
+        help="mixed precision as torch.autocast applies it (Accelerate's mixed_precision, the "
+        "Trainer's bf16=True / fp16=True): fp32 parameters, the forward under autocast to this "
+        "dtype, each weight it uses cast to a copy that lives through the step",
+    )
+    step.add_argument(
+        "--accumulation-steps",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="gradient accumulation: N micro-batches of --batch per optimizer step, the "
+        "gradients of the earlier ones held through the later ones (default 1)",
+    )
+    step.add_argument(
+        "--trainer",
+        action="store_true",
+        help="the Hugging Face Trainer's loop: sets --drop-output (its compute_loss keeps the "
+        "loss, not the output) and, unless --optimizer is given, --optimizer adamw (its default "
+        "optim, adamw_torch_fused); its gradient_accumulation_steps and bf16=True are "
+        "--accumulation-steps and --autocast bf16",
+    )
+    step.add_argument(
+        "--drop-output",
+        action="store_true",
+        help="the training loop drops the model's output before backward, as the Hugging Face "
+        "Trainer does; by default it is held through backward (out = model(**batch); "
+        "out.loss.backward()), which for a language model keeps the logits alive",
+    )
+    step.add_argument(
+        "--output-head",
+        choices=["auto", "plain", "chunked"],
+        default="auto",
+        help="what the plan may do with a language model's output head: auto (default: compute "
+        "the loss in chunks of tokens, recomputing each chunk's logits in backward, when that "
+        "fits where the plain head does not, or fits faster), plain (never: the output's "
+        "logits stay whole), chunked (always)",
+    )
+    step.add_argument(
+        "--lora",
+        type=_positive_int,
+        metavar="R",
+        help="fine-tune with LoRA adapters of rank R (PEFT, lora_alpha 2R) on a frozen base: "
+        "gradients and optimizer state of the adapters only; needs the hf extra",
+    )
+    step.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="with --lora: the modules that get adapters, comma-separated (q_proj,v_proj); "
+        "default all-linear (every linear layer but the output head)",
+    )
+    step.add_argument(
+        "--device",
+        help="where to profile: auto (default: cuda when there is one), cpu, cuda, cuda:1, ...; "
+        "predicted (plan --estimate, fit), the target device the plan is for: a preset "
+        "(rtx4090, a100-80gb, h100, ...; docs/devices.md), this (default: this machine, "
+        'measured once) or a JSON object of numbers: \'{"memory": "48GiB", "bf16_tflops": 180, '
+        '"fp32_tflops": 90, "bandwidth_gbps": 960}\'',
+    )
+    step.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="with --estimate: predict one of N ranks that shard the parameters, gradients and "
+        "optimizer state as FSDP2 (fully_shard) and ZeRO-3 do, each holding 1/N of them plus "
+        "what FSDP2 gathers in full (a block's parameters while it computes); the budget, the "
+        "peak and the memory parts are then per rank, and --batch is one rank's batch (default "
+        "1: one process holding the whole model; fit always predicts)",
+    )
+    step.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    return step
+
+
+def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser,
+                     step_parent: argparse.ArgumentParser) -> None:
     plan = commands.add_parser(
         "plan",
-        parents=[debug_parent],
+        parents=[debug_parent, step_parent],
         help="profile (or --estimate) a model and print the checkpointing plan for a budget",
         description=_paragraph(
             "Profile one training step of MODEL on this machine, solve for the budget and "
             "print the plan: what happens to each block, the predicted peak and extra time, "
-            "and what takes the memory. MODEL is a Hugging Face config.json (or a folder "
-            "holding one; the model is built with random weights, nothing is downloaded), a "
-            "built-in name or a known config of a well-known model such as llama-3-8b "
-            "(hyper-parameters only; --list shows them), or package.module:factory, a function "
-            "returning a module or (module, sample); it gets batch= and seq= when it takes "
-            "them."
+            "and what takes the memory. " + _MODEL_HELP
         )
         + "\n\n"
         + _paragraph(
@@ -242,7 +370,6 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("model", nargs="?", metavar="MODEL", help="what to plan (see above)")
     plan.add_argument(
         "--list", action="store_true", help="list the built-in models and known configs, and exit"
     )
@@ -252,65 +379,10 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         help="predict instead of measuring: the step runs on fake tensors (no memory; configs "
         "built on the meta device, no weights), its times are rooflines of the target --device",
     )
-    plan.add_argument("--batch", type=_positive_int, default=4, help="batch size (default 4)")
-    plan.add_argument(
-        "--seq", type=_positive_int, default=128, help="tokens per sequence (default 128)"
-    )
-    plan.add_argument(
-        "--budget",
-        help="peak memory of a training step: 6GiB, 512MiB, 6GB, 60%% (of the peak without "
-        "checkpointing) or auto (what the device has free; with --estimate, what the target "
-        "device has for the peak, the default there); needed by the optimal and chen-greedy "
-        "strategies",
-    )
     plan.add_argument(
         "--strategy",
         default="optimal",
         help="none, every-layer, sqrt, chen-greedy or optimal (default)",
-    )
-    plan.add_argument(
-        "--optimizer",
-        choices=["none", "adam", "adamw", "adamw-8bit", "sgd"],
-        default="none",
-        help="count the optimizer's state in the peak and budget: adam or adamw (2 values per "
-        "trainable parameter, in its dtype), adamw-8bit (bitsandbytes: 2 bytes per parameter), "
-        "sgd (none, without momentum); default none",
-    )
-    plan.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        help="with --estimate: train in this dtype (parameters, gradients, optimizer state and "
-        "activations, as model.to(dtype) does); default: the config's torch_dtype, else the "
-        "model's own (fp32)",
-    )
-    plan.add_argument(
-        "--lora",
-        type=_positive_int,
-        metavar="R",
-        help="fine-tune with LoRA adapters of rank R (PEFT, lora_alpha 2R) on a frozen base: "
-        "gradients and optimizer state of the adapters only; needs the hf extra",
-    )
-    plan.add_argument(
-        "--lora-targets",
-        metavar="NAMES",
-        help="with --lora: the modules that get adapters, comma-separated (q_proj,v_proj); "
-        "default all-linear (every linear layer but the output head)",
-    )
-    plan.add_argument(
-        "--drop-output",
-        action="store_true",
-        help="the training loop drops the model's output before backward, as the Hugging Face "
-        "Trainer does; by default it is held through backward (out = model(**batch); "
-        "out.loss.backward()), which for a language model keeps the logits alive",
-    )
-    plan.add_argument(
-        "--output-head",
-        choices=["auto", "plain", "chunked"],
-        default="auto",
-        help="what the plan may do with a language model's output head: auto (default: compute "
-        "the loss in chunks of tokens, recomputing each chunk's logits in backward, when that "
-        "fits where the plain head does not, or fits faster), plain (never: the output's "
-        "logits stay whole), chunked (always)",
     )
     plan.add_argument(
         "--json",
@@ -319,26 +391,41 @@ def _add_plan_parser(commands: Any, debug_parent: argparse.ArgumentParser) -> No
         "plan, the profile's totals, the device and the memory parts (docs/cli.md)",
     )
     plan.add_argument("--plot", metavar="FILE", help="write the memory/time frontier as a PNG")
-    plan.add_argument(
-        "--device",
-        help="where to profile: auto (default: cuda when there is one), cpu, cuda, cuda:1, ...; "
-        "with --estimate, the target device the plan is for: a preset (h100-80gb, "
-        "h100-pcie-80gb, h200-141gb, a100-80gb, a100-40gb, l4-24gb, rtx4090-24gb; aliases "
-        "such as h100, a100, 4090), this (default: this machine, measured once) or a JSON "
-        'object of numbers: \'{"memory": "48GiB", "bf16_tflops": 180, "fp32_tflops": 90, '
-        '"bandwidth_gbps": 960}\'',
-    )
-    plan.add_argument(
-        "--world-size",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="with --estimate: predict one of N ranks that shard the parameters, gradients and "
-        "optimizer state as FSDP2 (fully_shard) and ZeRO-3 do, each holding 1/N of them plus "
-        "what FSDP2 gathers in full (a block's parameters while it computes); the budget, the "
-        "peak and the memory parts are then per rank, and --batch is one rank's batch (default "
-        "1: one process holding the whole model)",
-    )
-    plan.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     plan.set_defaults(func=run_plan)
 
+
+def _add_fit_parser(commands: Any, debug_parent: argparse.ArgumentParser,
+                    step_parent: argparse.ArgumentParser) -> None:
+    fit = commands.add_parser(
+        "fit",
+        parents=[debug_parent, step_parent],
+        help="when a step does not fit: the cheapest changes that make it fit (predicted)",
+        description=_paragraph(
+            "Predict one training step of MODEL on the target --device (as plan --estimate "
+            "does: fake tensors, no weights) and, when no plan makes it fit the budget, the "
+            "same step with the levers gradckpt knows pulled, alone and together; print the "
+            "--count cheapest configurations that fit, each with its predicted peak and time. "
+            "Cheapest: the least change to what is trained first (recompute, a chunked head "
+            "and dropping the output change nothing trained; bf16 autocast and a smaller "
+            "micro-batch with accumulation change the numerics a little; bf16 throughout "
+            "more; LoRA and a 4-bit base change what is trained; more GPUs cost money), then "
+            "the predicted time of an optimizer step. " + _MODEL_HELP
+        ),
+        epilog=FIT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fit.add_argument(
+        "--levers",
+        metavar="NAMES",
+        help="the levers that may be pulled, comma-separated (default: all): "
+        + ", ".join(lever.name for lever in LEVERS),
+    )
+    fit.add_argument("--count", type=_positive_int, default=3,
+                     help="how many configurations that fit to print (default 3)")
+    fit.add_argument("--max-gpus", type=_positive_int, default=8, metavar="N",
+                     help="the most GPUs the fsdp lever may shard over: 2, 4, 8, ... up to N "
+                     "(default 8)")
+    fit.add_argument("--adapter-rank", type=_positive_int, default=16, metavar="R",
+                     help="the rank of the LoRA adapters the lora and 4bit levers add "
+                     "(default 16; with --lora R, R)")
+    fit.set_defaults(func=run_fit, estimate=True, strategy="optimal", list=False)

@@ -12,12 +12,13 @@ from .builtin_models import builtin_list
 from .devices import resolve_device, to_device
 from .errors import CommandLineError, explained_for_the_command_line
 from .estimate import run_estimate, target_device, without_optimizer_note
-from .fine_tuning import check_lora_arguments, fine_tuned
+from .fine_tuning import fine_tuned
 from .frontier import plot_plan
 from .known_configs import KNOWN_CONFIGS, known_config_rows
-from .model_lookup import check_measurable, check_model_name, resolve_model
+from .model_lookup import check_measurable, resolve_model
 from .profiling import profile_with_bar
 from .progress import stage
+from .step_arguments import autocast_dtype, check_step_arguments, step_words
 
 if TYPE_CHECKING:
     import torch
@@ -59,8 +60,11 @@ def run_plan(args: argparse.Namespace) -> int:
     stage("profiling one training step and each block")
     optimizer = None if args.optimizer == "none" else args.optimizer
     optimizer_name = OPTIMIZER_NAMES.get(args.optimizer, args.optimizer)
+    autocast = autocast_dtype(args)
+    if autocast is not None:  # as Accelerate applies mixed precision: the forward wrapped
+        model.forward = torch.autocast(device.type, dtype=autocast)(model.forward)
     profile = profile_with_bar(model, sample, keep_output=not args.drop_output,
-                               optimizer=optimizer)
+                               optimizer=optimizer, accumulation_steps=args.accumulation_steps)
     optimizer_bytes = profile.optimizer_state_bytes
     with explained_for_the_command_line():  # a percentage of the whole step, "auto" here
         plan = solve(profile, args.budget, args.strategy, output_head=args.output_head)
@@ -68,7 +72,7 @@ def run_plan(args: argparse.Namespace) -> int:
     names = [block.name for block in profile.blocks]
     print(
         f"{target.description}: {len(names)} blocks ({names[0]} .. {names[-1]}), "
-        f"batch {args.batch} x {args.seq}, {device}"
+        f"batch {args.batch} x {args.seq}, {device}{step_words(args)}"
     )
     print(
         f"measured here: peak without checkpointing {format_bytes(profile.peak_bytes)}, "
@@ -102,15 +106,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _check_plan_arguments(args: argparse.Namespace) -> None:
     """What can be wrong with the command line itself, found before any slow work."""
-    from gradckpt.budget import check_budget
-    from gradckpt.errors import UsageError
     from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES
 
-    if args.model is None:
-        raise CommandLineError(
-            "MODEL is missing (see 'gradckpt plan --list' for built-ins and known configs)"
-        )
-    check_model_name(args.model)  # a misspelt name is told before the other arguments
+    check_step_arguments(args, "plan")
     if args.world_size != 1 and not args.estimate:
         raise CommandLineError(
             f"--world-size {args.world_size} is for --estimate: a measured plan profiles one "
@@ -126,19 +124,8 @@ def _check_plan_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError(
             f"unknown strategy {args.strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
         )
-    if args.budget is None and args.strategy in BUDGET_DRIVEN and args.estimate:
-        args.budget = "auto"  # what the target device has for the step
     if args.budget is None and args.strategy in BUDGET_DRIVEN:
-        raise CommandLineError(
-            f"strategy {args.strategy} chooses its plan for a budget: pass --budget (6GiB, "
-            "60%, ...) or use --strategy none, every-layer or sqrt"
-        )
-    if args.budget is not None:
-        try:  # the form only: a percentage's base is known once the model is profiled
-            check_budget(args.budget)
-        except UsageError as error:
-            raise CommandLineError(f"--budget: {error}") from None
-    check_lora_arguments(args)
+        args.budget = "auto"  # what the device has: free now here, or the target's memory
     if args.estimate:
         target_device(args.device)  # an unknown target is told before any slow work
 

@@ -1,0 +1,105 @@
+"""``gradckpt fit MODEL``: the cheapest changes that make a step fit (issue 26, item 3), as
+the command line prints them; each option's ``gradckpt plan`` command predicts the same peak;
+an impossible budget and bad input are one error line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_cli_commands import error_lines
+
+from gradckpt.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# mlp-chain at 32 x 64: over 20 MiB at the least with any plan (h100 preset, no optimizer).
+MLP = ["mlp-chain", "--device", "h100", "--batch", "32", "--seq", "64"]
+
+
+def fit_output(arguments: list[str], capsys) -> list[str]:
+    assert main(["fit", *arguments]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def plan_commands(lines: list[str]) -> list[list[str]]:
+    """The arguments of each option's ``gradckpt plan`` command, as printed."""
+    return [line.split(": gradckpt ", 1)[1].split() for line in lines
+            if re.match(r"  \d+: gradckpt plan ", line)]
+
+
+def predicted_peak(plan_arguments: list[str], capsys) -> str:
+    """What ``gradckpt plan ... --estimate`` predicts, from its first line."""
+    assert main(plan_arguments) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    return re.match(r"fits: predicted peak ([\d.]+ [KMG]iB)", first).group(1)
+
+
+def test_a_smaller_micro_batch_that_fits_and_its_plan_command(capsys):
+    lines = fit_output([*MLP, "--budget", "14MiB", "--levers", "recompute,micro-batch"], capsys)
+    assert re.fullmatch(r"does not fit as it is: the least predicted peak of any plan is "
+                        r"2\d\.\d\d MiB, above the budget of 14\.00 MiB on h100-80gb", lines[0])
+    assert lines[1] == ("mlp_chain(16, 256): 1.05M parameters, batch 32 x 64, float32, "
+                        "optimizer none")
+    assert lines[3].startswith("the cheapest change that fits, least change to what is trained "
+                               "first, then the fastest (")
+    row = next(line for line in lines if line.startswith("1  "))
+    micro, steps = map(int, re.search(r"micro-batch (\d+) x (\d+) accumulated", row).groups())
+    assert micro * steps == 32 and micro < 32  # the same effective batch
+    (command,) = plan_commands(lines)
+    assert command == ["plan", "mlp-chain", "--estimate", "--device", "h100-80gb", "--batch",
+                       str(micro), "--seq", "64", "--budget", "14MiB", "--accumulation-steps",
+                       str(steps)]
+    assert predicted_peak(command, capsys) in row
+
+
+def test_a_step_that_fits_as_it_is_needs_no_change(capsys):
+    lines = fit_output([*MLP, "--budget", "1GiB"], capsys)
+    assert re.fullmatch(r"fits as it is: predicted peak [\d.]+ MiB within the budget of "
+                        r"1\.00 GiB on h100-80gb, no change needed", lines[0])
+    assert not plan_commands(lines)
+
+
+def test_a_step_a_plan_makes_fit_is_answered_with_the_plan(capsys):
+    lines = fit_output([*MLP, "--budget", "30MiB"], capsys)
+    assert lines[0].startswith("fits with a plan: predicted peak ")
+    (command,) = plan_commands(lines)
+    assert command[-2:] == ["--budget", "30MiB"]
+
+
+def test_a_budget_nothing_reaches_is_one_error_line_with_the_least_peak(capsys):
+    assert main(["fit", *MLP, "--budget", "2MiB", "--levers", "recompute,micro-batch"]) == 1
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line.startswith("gradckpt: error: nothing fits the budget of 2.00 MiB: with every "
+                           "lever (recompute, micro-batch) the least predicted peak is ")
+    assert "would fit it, or a smaller batch or shorter sequences" in line
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ([*MLP, "--levers", "recompte"],
+         "--levers: unknown lever 'recompte'; did you mean 'recompute'? (levers: recompute, "
+         "chunked-head, drop-output, autocast, micro-batch, bf16, lora, 4bit, fsdp)"),
+        ([*MLP, "--levers", " , "], "--levers: no lever named"),
+        (["--budget", "6GiB"], "MODEL is missing"),
+        ([*MLP[:1], "--device", "h1000"], "--device: unknown device 'h1000'"),
+        ([*MLP, "--budget", "6G"], "'6G' is ambiguous"),
+        ([*MLP, "--dtype", "bf16", "--autocast", "bf16"], "--autocast bf16 is mixed precision"),
+        (["mlp-chian"], "unknown model 'mlp-chian'; did you mean 'mlp-chain'?"),
+    ],
+    ids=["unknown-lever", "no-lever", "no-model", "unknown-device", "ambiguous-budget",
+         "autocast-and-dtype", "misspelt-model"],
+)
+def test_bad_input_is_one_usage_error_line(arguments, expected, capsys):
+    assert main(["fit", *arguments]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line.startswith("gradckpt fit: usage error: ") and expected in line, line
+
+
+@pytest.mark.parametrize("flag", ["--count", "--max-gpus", "--adapter-rank"])
+def test_counts_must_be_positive_integers(flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", *MLP, flag, "0"])
+    assert exited.value.code == 2
+    assert f"argument {flag}: expected a positive integer, got '0'" in capsys.readouterr().err
