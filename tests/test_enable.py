@@ -28,6 +28,8 @@ from gradckpt.toy_models import GPTConfig, TinyGPT
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=64, dropout=0.1)
 ALLOWANCE = 1.03  # allocator noise the planning issue allows on a measured peak
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def tiny_gpt() -> TinyGPT:
     torch.manual_seed(0)
@@ -62,14 +64,27 @@ def smallest_feasible_budget(model: nn.Module, sample: dict) -> int:
     return error.value.minimum_bytes
 
 
+def plain_step_and_least_budget(model: nn.Module, sample: dict
+                                ) -> tuple[int, torch.Tensor, list[torch.Tensor], int]:
+    """The plain model's peak, loss and gradients, and the smallest feasible budget: the same
+    for every budget a test tries, so measured once per model (a module-scoped fixture)."""
+    return (*step(model, sample), smallest_feasible_budget(model, sample))
+
+
+@pytest.fixture(scope="module")
+def plain_gpt_step() -> tuple[int, torch.Tensor, list[torch.Tensor], int]:
+    return plain_step_and_least_budget(tiny_gpt(), gpt_sample())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("position", [0.0, 0.3, 0.6, 0.9])
-def test_gpt_fits_the_budget_with_identical_gradients(position: float) -> None:
+def test_gpt_fits_the_budget_with_identical_gradients(
+    plain_gpt_step: tuple, position: float
+) -> None:
     """Budgets from the smallest feasible one (position 0) towards the unconstrained peak."""
+    plain_peak, plain_loss, plain_grads, minimum = plain_gpt_step
     sample = gpt_sample()
-    plain_peak, plain_loss, plain_grads = step(tiny_gpt(), sample)
     model = tiny_gpt()
-    minimum = smallest_feasible_budget(model, sample)
     budget = int(minimum + position * (plain_peak - minimum))
     plan = gradckpt.enable(model, sample, budget=budget)
     assert plan.predicted_peak_bytes <= budget
@@ -108,10 +123,8 @@ def llama_sample() -> dict:
 
 @pytest.fixture(scope="module")
 def plain_llama_step() -> tuple[int, torch.Tensor, list[torch.Tensor], int]:
-    """The plain Llama's peak, loss and gradients, and the smallest feasible budget."""
     pytest.importorskip("transformers")
-    plain = tiny_llama(layers=6, vocab_size=256)
-    return (*step(plain, llama_sample()), smallest_feasible_budget(plain, llama_sample()))
+    return plain_step_and_least_budget(tiny_llama(layers=6, vocab_size=256), llama_sample())
 
 
 @pytest.mark.slow
