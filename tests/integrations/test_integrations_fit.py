@@ -178,3 +178,24 @@ def test_a_suggested_option_runs_within_its_budget():
     report = f"budget {budget}, predicted {best.predicted_peak_bytes}, measured {measured}"
     assert measured <= budget * (1 + ALLOWANCE), report
     assert abs(measured - best.predicted_peak_bytes) <= ALLOWANCE * measured, report
+
+
+def test_a_language_model_fits_with_its_head_in_chunks_for_real():
+    """A two-layer Llama with AdamW whose plain head no plan fits in 4.2 MB: the option is a
+    plan computing the loss in chunks; run for real, within the budget + 3%."""
+    pytest.importorskip("transformers")
+    from gradckpt.integrations.hf_families import causal_batch, hf_model
+
+    torch.manual_seed(0)
+    model, batch = hf_model("llama", num_hidden_layers=2), causal_batch(2, 64)
+    budget = 4_200_000
+    search = fit(model, batch, budget, device="this", optimizer="adamw",
+                 levers=["recompute", "chunked-head", "drop-output"])
+    (best,) = search.options
+    assert "chunked-head" in best.levers and best.plan.head_chunks > 1, best.description
+    assert set(best.levers) <= {"recompute", "chunked-head"}  # the step as it is, planned
+    optimizer = torch.optim.AdamW(model.parameters())
+    measured = measure_users_step(model, batch, best.plan, optimizer=optimizer).peak_bytes
+    report = f"budget {budget}, predicted {best.predicted_peak_bytes}, measured {measured}"
+    assert measured <= budget * (1 + ALLOWANCE), report
+    assert abs(measured - best.predicted_peak_bytes) <= ALLOWANCE * measured, report
