@@ -18,8 +18,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from ..measure import clock
-from ..measure.clock import Seconds
-from ..measure.tensors import returns_tensor, tensor_bytes
+from ..measure.tensors import tensor_bytes
 
 __all__ = ["ModeledClock", "Roofline"]
 
@@ -49,15 +48,10 @@ class ModeledClock(TorchDispatchMode):
     def __init__(self, device: Roofline) -> None:
         super().__init__()
         self.device = device
-        self._elapsed = Seconds(0)
+        self.elapsed = 0.0
         self.flops = 0
         self.bytes_moved = 0
         self.attention_kernels: set[str] = set()  # which fused attention ran, if any
-
-    @property
-    def elapsed(self) -> Seconds:
-        """The seconds modeled so far, exactly (``Seconds``: readings subtract exactly)."""
-        return self._elapsed
 
     def __enter__(self) -> ModeledClock:
         clock.entered(self)
@@ -101,7 +95,7 @@ class ModeledClock(TorchDispatchMode):
                      torch.float32)
         self.flops += flops
         self.bytes_moved += moved
-        self._elapsed += Seconds.of(self.device.seconds(flops, moved, dtype))
+        self.elapsed += self.device.seconds(flops, moved, dtype)
         return output
 
 
@@ -113,12 +107,8 @@ _FACTS: dict[Any, tuple[str | None, bool, Any]] = {}
 
 def _facts_of(func: Any) -> tuple[str | None, bool, Any]:
     name = func.overloadpacket.__name__
-    # An operation returning no tensor (``prim.device``) only asks about one: no kernel to
-    # time. Fake tensors ask those questions from C++ as their caches miss or hit (463 times
-    # in a Llama layer's forward and backward), and timing each as a read of the tensor made a
-    # third of a block's modeled forward, and a different third at different moments.
     return ("attention" in name and name or None,
-            func.is_view or func.overloadpacket in _FREE or not returns_tensor(func),
+            func.is_view or func.overloadpacket in _FREE,
             flop_registry.get(func.overloadpacket))
 
 
