@@ -5,6 +5,13 @@ code on fake tensors, where an operation takes no time worth knowing; there a mo
 (``gradckpt.predict.clock.ModeledClock``) is active, and ``now()`` reads the seconds the
 operations dispatched so far would take on the target device. This module is only the switch
 between the two, so that measuring needs nothing of prediction.
+
+A modeled clock counts in ``Seconds``: floats that also hold their value exactly, so that the
+time between two readings is the exact sum of the operations in between, rounded once, however
+long the clock had run before. With plain floats, ``(t + d) - t`` loses the low bits of ``d``
+to the size of ``t``: the same block timed at two moments of an estimate differed in its last
+bits, and the op-level choices built from those times (a knapsack over equal-time operations)
+came out differently with what the estimate had measured before.
 """
 
 from __future__ import annotations
@@ -13,12 +20,73 @@ import threading
 import time
 from typing import Any, Protocol
 
-__all__ = ["ModeledTime", "entered", "left", "modeled", "modeled_device_kind", "now"]
+__all__ = ["ModeledTime", "Seconds", "entered", "left", "modeled", "modeled_device_kind", "now"]
+
+# Every float is a whole multiple of 2**-1074 (the smallest subnormal): in these ticks any sum
+# of floats is exact.
+_TICKS_PER_SECOND = 1 << 1074
+
+
+class Seconds(float):
+    """A time in seconds that also keeps its exact value in ticks: differences, sums and
+    whole multiples of two ``Seconds`` are exact (then rounded once to the float they are);
+    anything else is float arithmetic.
+
+    Example:
+        >>> start, step = Seconds.of(1e9), Seconds.of(1e-9)
+        >>> (start + step) - start == step  # with floats: 0.0
+        True
+        >>> float((1e9 + 1e-9) - 1e9)
+        0.0
+    """
+
+    __slots__ = ("ticks",)
+    ticks: int
+
+    def __new__(cls, ticks: int) -> Seconds:
+        value = super().__new__(cls, ticks / _TICKS_PER_SECOND)  # int / int: rounded once
+        value.ticks = ticks
+        return value
+
+    @classmethod
+    def of(cls, seconds: float) -> Seconds:
+        """``seconds`` (a float, or ``Seconds``) in exact ticks."""
+        if isinstance(seconds, Seconds):
+            return seconds
+        numerator, denominator = float(seconds).as_integer_ratio()
+        return cls(numerator * (_TICKS_PER_SECOND // denominator))
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, Seconds):
+            return Seconds(self.ticks + other.ticks)
+        return float(self) + other
+
+    def __radd__(self, other: Any) -> Any:
+        return other + float(self)
+
+    def __sub__(self, other: Any) -> Any:
+        if isinstance(other, Seconds):
+            return Seconds(self.ticks - other.ticks)
+        return float(self) - other
+
+    def __rsub__(self, other: Any) -> Any:
+        return other - float(self)
+
+    def __mul__(self, other: Any) -> Any:
+        if isinstance(other, int) and not isinstance(other, bool):
+            return Seconds(self.ticks * other)
+        return float(self) * other
+
+    __rmul__ = __mul__
+
+    def __reduce__(self) -> Any:
+        return (float, (float(self),))  # pickled, copied, sent: a plain float
 
 
 class ModeledTime(Protocol):
-    """What ``now()`` reads of a modeled clock: the seconds modeled so far, and the device
-    they are modeled for (its ``kind``, ``"cuda"`` or ``"cpu"``, if it says)."""
+    """What ``now()`` reads of a modeled clock: the seconds modeled so far (``Seconds``, for
+    exact differences, or a float), and the device they are modeled for (its ``kind``,
+    ``"cuda"`` or ``"cpu"``, if it says)."""
 
     elapsed: float
     device: Any

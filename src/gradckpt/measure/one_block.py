@@ -114,6 +114,7 @@ def measure_block(
     def forward_and_backward() -> None:
         out = _block_output(forward_only())
         out.backward(torch.ones_like(out))
+        block.zero_grad(set_to_none=True)  # the next run starts without gradients, as a step does
 
     # Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats`` rounds:
     # each time is kept as a multiple of the forward timed in the same round, moments apart (a
@@ -259,6 +260,10 @@ def _checkpointed_step(
         with _planned_alone(block, policy):
             out = _block_output(block(*args, **kwargs))
             out.backward(torch.ones_like(out))
+        # The next run starts without gradients, as a step does: backward into gradients left
+        # by the run before added them in, an addition no step makes (on an 8B layer, 0.4 ms
+        # of the modeled recomputation).
+        block.zero_grad(set_to_none=True)
 
     return forward_and_backward
 

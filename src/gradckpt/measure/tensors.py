@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["tensor_bytes", "tensors_in"]
+__all__ = ["returns_tensor", "tensor_bytes", "tensors_in"]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -29,3 +29,14 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
         [torch.Size([2]), torch.Size([1])]
     """
     return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def returns_tensor(operation: Any) -> bool:
+    """Whether an ATen operation returns a tensor, by its schema; one that does not only asks
+    about one (its device, a size), as fake tensors do from Python when a cache misses.
+
+    Example:
+        >>> returns_tensor(torch.ops.aten.add.Tensor), returns_tensor(torch.ops.prim.device.default)
+        (True, False)
+    """
+    return any("Tensor" in str(value.type) for value in operation._schema.returns)
