@@ -86,3 +86,52 @@ def test_an_unknown_target_module_lists_the_linear_layers(config, capsys):
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert name in line
     assert "or pass --lora-targets all-linear" in line
+
+
+# --- --qlora: a 4-bit base (issue 26, items 1 and 2) --------------------------------------------
+
+
+def test_a_qlora_estimate_holds_the_base_in_4_bits_under_fp32_adapters(config, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    arguments = ["plan", str(config), "--estimate", "--device", "h100-80gb", "--batch", "2",
+                 "--seq", "32", "--strategy", "sqrt", "--optimizer", "adamw"]
+    _, lora = _plan_json([*arguments, "--lora", "8"], tmp_path / "lora.json", capsys)
+    out, qlora = _plan_json([*arguments, "--qlora", "--lora", "8"], tmp_path / "q.json", capsys)
+
+    assert ("+ LoRA r=8 on all-linear (" in out
+            and "on a 4-bit NF4 base (double quantisation, computing in bf16)" in out)
+    parts, lora_parts = qlora["memory_parts"], lora["memory_parts"]
+    # The same adapters, in fp32 (PEFT upcasts them), with their gradients and AdamW's state.
+    assert parts[GRADIENTS] == lora_parts[GRADIENTS]
+    # The config names no dtype, so the base is fp32; its linear layers (two layers of q, o
+    # 32x32; k, v 32x16; gate, up, down 32x64) held in 4 bits, half a byte a weight. (Their
+    # scales are buffers, in "the rest".)
+    linear_weights = 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64)
+    fp32_bytes, four_bit_bytes = linear_weights * 4, linear_weights // 2
+    assert lora_parts["parameters"] - parts["parameters"] == fp32_bytes - four_bit_bytes
+
+
+def test_qlora_alone_gets_adapters_of_rank_16(config, capsys):
+    pytest.importorskip("bitsandbytes")
+    assert main(["plan", str(config), "--estimate", "--device", "rtx4090", "--batch", "1",
+                 "--seq", "16", "--strategy", "none", "--qlora"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fits: predicted peak ")
+    assert "+ LoRA r=16 on all-linear (" in out and "4-bit NF4 base" in out
+
+
+def test_a_measured_qlora_plan_runs_the_real_4bit_layers(config, capsys):
+    pytest.importorskip("bitsandbytes")
+    assert main(["plan", str(config), "--batch", "2", "--seq", "16", "--budget", "80%",
+                 "--optimizer", "adamw", "--qlora", "--lora", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "+ LoRA r=4 on all-linear (" in out and "4-bit NF4 base" in out
+    assert "strategy optimal within " in out
+
+
+def test_qlora_without_bitsandbytes_says_how_to_install_it(config, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)  # import fails
+    assert main(["plan", str(config), "--estimate", "--strategy", "sqrt", "--qlora"]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "--qlora needs bitsandbytes" in lines[0], lines
+    assert "pip install bitsandbytes" in lines[0]

@@ -7,18 +7,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PlanTarget", "BUILTIN_MODELS", "builtin_list"]
+__all__ = ["DTYPES", "PlanTarget", "BUILTIN_MODELS", "builtin_list"]
+
+# --dtype: the short names people write, and torch's (what config_dtype holds).
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
 class PlanTarget:
     """A model to plan, the batch it trains on, and a few words saying what it is;
-    ``config_dtype``: the floating dtype its config names (``torch_dtype``), if any."""
+    ``config_dtype``: the floating dtype its config names (``torch_dtype``), if any;
+    ``dtype_applied``: the model is in the dtypes it trains in already (a fine-tuned base cast
+    before its adapters were added), so nothing casts it again."""
 
     model: Any
     sample: Any
     description: str
     config_dtype: str | None = None
+    dtype_applied: bool = False
 
 
 def _tinygpt(layers: int) -> Callable[[int, int], PlanTarget]:

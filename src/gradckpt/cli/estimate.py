@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from gradckpt.tables import format_count
 
+from .builtin_models import DTYPES
 from .errors import CommandLineError, explained_for_the_command_line
-from .fine_tuning import fine_tuned
+from .fine_tuning import fine_tuned, trained_dtype
 from .frontier import plot_plan
 from .model_lookup import resolve_model
 from .progress import progress_bar, stage
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DTYPES", "run_estimate", "target_device", "without_optimizer_note"]
 
-# --dtype: the short names people write, and torch's.
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def target_device(name: str | None) -> DeviceSpec:
@@ -108,8 +107,6 @@ def run_estimate(args: argparse.Namespace) -> int:
         mlp_chain(16, 256): 1.05M parameters, 16 blocks (0 .. 15), batch 2 x 4, float32, ...
         0
     """
-    import torch
-
     import gradckpt
     from gradckpt.budget import format_bytes
     from gradckpt.measure.memory_parts import memory_parts
@@ -121,10 +118,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     target = fine_tuned(
         resolve_model(args.model, args.batch, args.seq, on_meta=True), args
     )
-    # Mixed precision (--autocast) keeps fp32 weights, whatever dtype the config names.
-    dtype_name = (DTYPES[args.dtype] if args.dtype
-                  else "float32" if args.autocast else target.config_dtype)
-    dtype = getattr(torch, dtype_name) if dtype_name else None
+    dtype = trained_dtype(args, target)
     optimizer = None if args.optimizer == "none" else args.optimizer
     with progress_bar(f"gradckpt: estimating on fake tensors for {spec.name}") as report:
         profile = gradckpt.estimate(
@@ -146,10 +140,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(verdict)
     names = [block.name for block in profile.blocks]
     parameter_count = sum({id(p): p.numel() for p in target.model.parameters()}.values())
-    trained_dtype = _trained_dtype(target.model, dtype)
+    step_dtype = _trained_dtype(target.model, dtype)
     print(
         f"{target.description}: {format_count(parameter_count)} parameters, {len(names)} blocks "
-        f"({names[0]} .. {names[-1]}), batch {args.batch} x {args.seq}, {trained_dtype}, "
+        f"({names[0]} .. {names[-1]}), batch {args.batch} x {args.seq}, {step_dtype}, "
         f"optimizer {args.optimizer}{step_words(args)}{_per_rank(world_size)}"
     )
     print(f"estimated for {format_device(spec)}")
@@ -184,7 +178,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             "reduce-scatters."
         )
     if args.json:
-        report = estimate_json(args, target.description, trained_dtype, profile, plan, spec,
+        report = estimate_json(args, target.description, step_dtype, profile, plan, spec,
                                parts)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nplan and estimate written to {args.json}")

@@ -1,10 +1,17 @@
-"""``--lora R``: plan fine-tuning with adapters on a frozen base, as users fine-tune.
+"""``--lora R`` and ``--qlora``: plan fine-tuning with adapters on a frozen base, as users
+fine-tune.
 
 The model ``gradckpt plan`` built (measured, or on the meta device for ``--estimate``) is
 wrapped with PEFT's LoRA before it is profiled: the base's parameters frozen, adapters of rank R
 (``lora_alpha`` 2R, PEFT's defaults otherwise) on the target modules. The plan then counts what
 LoRA training holds: gradients and optimizer state of the adapters only, the frozen weights, and
 the activations the adapters' backward still needs.
+
+As fine-tuning scripts load it, the base is in the trained dtype before the adapters are added,
+and the adapters are in PEFT's own (fp32: ``get_peft_model`` upcasts 16-bit adapters), so the
+step is not cast again afterwards (``trained_dtype`` is then ``None``). ``--qlora`` is the QLoRA
+recipe: the base's linear layers in bitsandbytes 4-bit (NF4, double quantisation, computing in
+the 16-bit trained dtype, bf16 by default), under LoRA adapters (rank 16 unless ``--lora R``).
 """
 
 from __future__ import annotations
@@ -15,21 +22,28 @@ from typing import TYPE_CHECKING
 
 from gradckpt.tables import format_count
 
-from .builtin_models import PlanTarget
+from .builtin_models import DTYPES, PlanTarget
 from .errors import CommandLineError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
-__all__ = ["DEFAULT_TARGETS", "check_lora_arguments", "fine_tuned", "with_lora"]
+__all__ = [
+    "DEFAULT_QLORA_RANK", "DEFAULT_TARGETS", "check_lora_arguments", "fine_tuned", "trained_dtype",
+    "with_lora",
+]
 
 # PEFT's name for every linear layer but the output head: the QLoRA paper's recipe, and what
 # fine-tuning scripts now default to.
 DEFAULT_TARGETS = "all-linear"
+# --qlora without --lora R: the QLoRA paper's and most fine-tuning scripts' adapter rank.
+DEFAULT_QLORA_RANK = 16
 
 
 def check_lora_arguments(args: argparse.Namespace) -> None:
-    """What can be wrong with ``--lora`` and ``--lora-targets`` before any slow work.
+    """What can be wrong with ``--lora``, ``--lora-targets`` and ``--qlora`` before any slow
+    work.
 
     Example:
         >>> arguments = argparse.Namespace(lora=None, lora_targets="q_proj")
@@ -38,24 +52,34 @@ def check_lora_arguments(args: argparse.Namespace) -> None:
         ...
         gradckpt.cli.errors.CommandLineError: --lora-targets names the modules that get ...
     """
-    if args.lora is None:
+    qlora = getattr(args, "qlora", False)
+    if args.lora is None and not qlora:
         if args.lora_targets is not None:
             raise CommandLineError(
                 "--lora-targets names the modules that get adapters: add --lora R (the "
                 "adapters' rank, e.g. --lora 16)"
             )
         return
+    flag = "--qlora" if qlora else "--lora"
     try:
         import peft  # noqa: F401
     except ImportError:
         raise CommandLineError(
-            "--lora needs PEFT: pip install 'gradckpt[hf]' (or pip install peft)"
+            f"{flag} needs PEFT: pip install 'gradckpt[hf]' (or pip install peft)"
         ) from None
+    if qlora:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise CommandLineError(
+                "--qlora needs bitsandbytes for its 4-bit layers: pip install bitsandbytes "
+                "(after torch, which it depends on)"
+            ) from None
 
 
 def fine_tuned(target: PlanTarget, args: argparse.Namespace) -> PlanTarget:
-    """``target`` as the command line trains it: with LoRA adapters when ``--lora`` is given
-    (its description saying so), else as it is.
+    """``target`` as the command line trains it: with LoRA adapters when ``--lora`` is given,
+    on a 4-bit base with ``--qlora`` (its description saying so), else as it is.
 
     Example:
         >>> from gradckpt.cli.builtin_models import BUILTIN_MODELS
@@ -63,10 +87,52 @@ def fine_tuned(target: PlanTarget, args: argparse.Namespace) -> PlanTarget:
         >>> fine_tuned(target, argparse.Namespace(lora=None, lora_targets=None)) is target
         True
     """
-    if args.lora is None:
+    qlora = getattr(args, "qlora", False)
+    if args.lora is None and not qlora:
         return target
-    model, phrase = with_lora(target.model, args.lora, args.lora_targets)
-    return dataclasses.replace(target, model=model, description=f"{target.description} + {phrase}")
+    import torch
+
+    dtype = trained_dtype(args, target)
+    model = target.model.to(dtype) if dtype is not None else target.model
+    rank = args.lora if args.lora is not None else DEFAULT_QLORA_RANK
+    base = ""
+    if qlora:
+        from gradckpt.integrations.quantized import quantize_linear_layers
+
+        compute = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        quantize_linear_layers(model, compute_dtype=compute)
+        base = f" on a 4-bit NF4 base (double quantisation, computing in {_short(compute)})"
+    model, phrase = with_lora(model, rank, args.lora_targets)
+    return dataclasses.replace(
+        target, model=model, description=f"{target.description} + {phrase}{base}",
+        dtype_applied=True,
+    )
+
+
+def trained_dtype(args: argparse.Namespace, target: PlanTarget) -> torch.dtype | None:
+    """The dtype ``estimate`` casts the step to: ``--dtype``, else fp32 under ``--autocast``
+    (mixed precision keeps fp32 weights), else the config's; ``None`` when ``fine_tuned``
+    has put the model in its dtype already (adapters in PEFT's own).
+
+    Example:
+        >>> from gradckpt.cli.builtin_models import PlanTarget
+        >>> args = argparse.Namespace(dtype="bf16", autocast=None)
+        >>> trained_dtype(args, PlanTarget(None, None, "a model", config_dtype="float32"))
+        torch.bfloat16
+    """
+    import torch
+
+    if target.dtype_applied:
+        return None
+    if getattr(args, "dtype", None):
+        return getattr(torch, DTYPES[args.dtype])
+    if getattr(args, "autocast", None):
+        return torch.float32
+    return getattr(torch, target.config_dtype) if target.config_dtype else None
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(str(dtype).removeprefix("torch."), "fp32")
 
 
 def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Module, str]:
@@ -85,7 +151,6 @@ def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Modu
     """
     import peft
 
-
     chosen = targets or DEFAULT_TARGETS
     modules: str | list[str] = (
         chosen if chosen == DEFAULT_TARGETS
@@ -102,8 +167,8 @@ def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Modu
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum({id(p): p.numel() for p in wrapped.parameters()}.values())
     where = chosen if chosen == DEFAULT_TARGETS else ", ".join(modules)
-    return wrapped, f"LoRA r={rank} on {where} ({format_count(trainable)} trainable of " \
-                    f"{format_count(total)} parameters)"
+    return wrapped, (f"LoRA r={rank} on {where} ({format_count(trainable)} trainable of "
+                     f"{format_count(total)} parameters)")
 
 
 def _linear_names(model: nn.Module) -> list[str]:

@@ -326,6 +326,14 @@ def _step_parent() -> argparse.ArgumentParser:
         "default all-linear (every linear layer but the output head)",
     )
     step.add_argument(
+        "--qlora",
+        action="store_true",
+        help="QLoRA: the base's linear layers in bitsandbytes 4-bit (NF4, double quantisation, "
+        "computing in bf16, or in --dtype fp16) under LoRA adapters (rank 16, or --lora R); "
+        "counts the packed weights, their scales and the weight each layer dequantises while "
+        "it computes; needs the hf extra and bitsandbytes",
+    )
+    step.add_argument(
         "--device",
         help="where to profile: auto (default: cuda when there is one), cpu, cuda, cuda:1, ...; "
         "predicted (plan --estimate, fit), the target device the plan is for: a preset "
