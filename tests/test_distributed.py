@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -43,8 +42,15 @@ def skewed(profile: gradckpt.Profile, rank: int) -> gradckpt.Profile:
     return dataclasses.replace(profile, blocks=blocks)
 
 
-def worker(rank: int, port: int, out: str, budget: str) -> None:
+BUDGETS = ("60%", "1KiB")  # one that rank 0's plan meets, one that no plan meets
+
+
+def worker(rank: int, port: int, out: str, budgets: tuple[str, ...]) -> None:
+    """``gradckpt.enable`` on a fresh model for each budget, in one process group (starting
+    ranks is most of the cost); per budget, the plan and what this rank would choose alone, or
+    the error."""
     join_group(rank, port)
+    torch.set_num_threads(1)  # two ranks on two cores
     # The module, not the function gradckpt.enable that its package attribute names.
     enable_module = sys.modules["gradckpt.enable"]
     measure = enable_module.profile
@@ -60,25 +66,33 @@ def worker(rank: int, port: int, out: str, budget: str) -> None:
 
     enable_module.profile = profile_skewed
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
-    try:
-        plan = gradckpt.enable(tiny_llama(), {"input_ids": ids, "labels": ids},
-                               budget=budget)
-        result = {"plan": plan.to_json(), "alone": alone[0]}
-    except gradckpt.BudgetError as error:
-        result = {"error": str(error), "minimum": error.minimum_bytes}
-    answer(out, rank, result)
+    results = {}
+    for budget in budgets:
+        alone.clear()
+        try:
+            plan = gradckpt.enable(tiny_llama(), {"input_ids": ids, "labels": ids},
+                                   budget=budget)
+            results[budget] = {"plan": plan.to_json(), "alone": alone[0]}
+        except gradckpt.BudgetError as error:
+            results[budget] = {"error": str(error), "minimum": error.minimum_bytes}
+    answer(out, rank, results)
 
 
+@pytest.fixture(scope="module")
+def by_budget(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, dict]]:
+    """Per budget, the two ranks' answers: one launch of the ranks for every test here."""
+    first, second = run_ranks(worker, tmp_path_factory.mktemp("ranks"), BUDGETS)
+    return {budget: (first[budget], second[budget]) for budget in BUDGETS}
 
 
-def test_ranks_that_time_differently_get_rank_0s_plan(tmp_path: Path) -> None:
-    first, second = run_ranks(worker, tmp_path, "60%")
+def test_ranks_that_time_differently_get_rank_0s_plan(by_budget: dict) -> None:
+    first, second = by_budget["60%"]
     assert first["alone"] != second["alone"]  # on their own they would disagree
     assert first["plan"] == second["plan"] == first["alone"]
 
 
-def test_an_infeasible_budget_fails_on_every_rank(tmp_path: Path) -> None:
-    first, second = run_ranks(worker, tmp_path, "1KiB")
+def test_an_infeasible_budget_fails_on_every_rank(by_budget: dict) -> None:
+    first, second = by_budget["1KiB"]
     assert "error" in first and "error" in second
     assert first["minimum"] == second["minimum"]
     assert "rank 0" in second["error"]
