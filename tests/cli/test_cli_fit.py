@@ -8,6 +8,7 @@ import re
 
 import pytest
 from test_cli_commands import error_lines
+from test_cli_estimate import llama_config
 
 from gradckpt.cli import main
 
@@ -103,3 +104,23 @@ def test_counts_must_be_positive_integers(flag, capsys):
         main(["fit", *MLP, flag, "0"])
     assert exited.value.code == 2
     assert f"argument {flag}: expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_lora_and_a_4bit_base_for_a_language_model(tmp_path, capsys):
+    """A two-layer Llama whose full fine-tuning with AdamW no plan fits: LoRA and QLoRA do,
+    each option's plan command (--lora R, --qlora) predicting the same peak."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    config = llama_config(tmp_path, 512)
+    lines = fit_output([str(config), "--device", "rtx4090", "--batch", "2", "--seq", "32",
+                        "--optimizer", "adamw", "--budget", "0.9MiB", "--levers",
+                        "recompute,chunked-head,lora,4bit", "--adapter-rank", "4"], capsys)
+    assert lines[0].startswith("does not fit as it is: ")
+    rows = [line for line in lines if re.match(r"\d  ", line)]
+    assert rows[0].startswith("1  LoRA r=4 on all-linear; ")
+    assert rows[1].startswith("2  QLoRA: 4-bit base + LoRA r=4 on all-linear; ")
+    commands = plan_commands(lines)
+    assert commands[0][-2:] == ["--lora", "4"] and commands[1][-3:] == ["--lora", "4", "--qlora"]
+    for row, command in zip(rows, commands, strict=True):
+        assert predicted_peak(command, capsys) in row

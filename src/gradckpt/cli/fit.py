@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from gradckpt.tables import format_count, format_table
 
-from .builtin_models import PlanTarget
+from .builtin_models import DTYPES, PlanTarget
 from .errors import CommandLineError
-from .estimate import DTYPES, target_device
-from .fine_tuning import fine_tuned
+from .estimate import target_device
+from .fine_tuning import fine_tuned, trained_dtype
 from .model_lookup import resolve_model
 from .progress import stage
 from .step_arguments import autocast_dtype, check_step_arguments
@@ -75,7 +75,7 @@ def run_fit(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
     target = resolve_model(args.model, args.batch, args.seq, on_meta=True)
-    dtype = _trained_dtype(args, target)
+    dtype = trained_dtype(args, target)
     optimizer = None if args.optimizer == "none" else args.optimizer
     started = time.perf_counter()
     search = fit(
@@ -144,8 +144,6 @@ def _fine_tune_as_plan_does(target: PlanTarget) -> FineTune:
             qlora=adapters.base == "4-bit", eight_bit=adapters.base == "8-bit",
             dtype=_SHORT_DTYPES.get(str(dtype)),
         )
-        if dtype is not None:  # the base in the trained dtype before its adapters are added
-            model = model.to(dtype)
         tuned = fine_tuned(dataclasses.replace(target, model=model, config_dtype=None),
                            options).model
         layer = {"4-bit": "Linear4bit", "8-bit": "Linear8bitLt"}.get(adapters.base)
@@ -154,18 +152,6 @@ def _fine_tune_as_plan_does(target: PlanTarget) -> FineTune:
         return tuned
 
     return fine_tune
-
-
-def _trained_dtype(args: argparse.Namespace, target: PlanTarget) -> torch.dtype | None:
-    """The dtype the step trains in, as ``plan --estimate`` takes it: ``--dtype``, else fp32
-    under ``--autocast`` (mixed precision keeps fp32 weights), else the config's."""
-    import torch
-
-    if args.dtype:
-        return getattr(torch, DTYPES[args.dtype])
-    if args.autocast:
-        return torch.float32
-    return getattr(torch, target.config_dtype) if target.config_dtype else None
 
 
 def _as_it_is_line(search: FitSearch, spec: DeviceSpec) -> str:
