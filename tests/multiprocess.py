@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -28,7 +29,10 @@ def free_port() -> int:
 
 
 def join_group(rank: int, port: int) -> None:
+    """Join the ranks' gloo group, on one torch thread: ``WORLD`` ranks share the 2 cores CI
+    has, and ranks' OpenMP threads competing for them wait on each other at every operation."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
 
 

@@ -49,8 +49,7 @@ def worker(rank: int, port: int, out: str, budgets: tuple[str, ...]) -> None:
     """``gradckpt.enable`` on a fresh model for each budget, in one process group (starting
     ranks is most of the cost); per budget, the plan and what this rank would choose alone, or
     the error."""
-    join_group(rank, port)
-    torch.set_num_threads(1)  # two ranks on two cores
+    join_group(rank, port)  # on one thread
     # The module, not the function gradckpt.enable that its package attribute names.
     enable_module = sys.modules["gradckpt.enable"]
     measure = enable_module.profile
