@@ -24,6 +24,7 @@ docs/estimate.md quotes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import time
@@ -38,7 +39,8 @@ import gradckpt
 from gradckpt.measure.meter import MemoryMeter
 from gradckpt.measure.tensors import tensors_in
 
-pytestmark = pytest.mark.slow
+# one_thread: the ranks run one thread each, and so does this process for its tiny models
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 WORLD_SIZE = 2
 TIMEOUT_SECONDS = 150  # both ranks, all cases: about 20 s on 2 CPU cores
@@ -252,11 +254,18 @@ def _collect(results: Any, ranks: list[Any]) -> dict[int, dict[str, dict[str, in
 def predicted_plan(case: Case, world_size: int) -> Any:
     """The case's plan, solved from ``gradckpt.estimate`` for one rank's batch with the model on
     the meta device; its ``predicted_peak_bytes`` is the estimate's peak for ``"none"``."""
+    model_and_batch = dataclasses.replace(case, name="", strategy="none")
+    return gradckpt.solve(_estimate(model_and_batch, world_size), None, case.strategy)
+
+
+@functools.cache
+def _estimate(case: Case, world_size: int) -> gradckpt.Profile:
+    """Cached: cases that differ only in the strategy solved ("llama", "llama-every-layer")
+    estimate the same model and batch (solving is pure; the profile is not changed)."""
     with torch.device("meta"):
         model = build(case)
-    predicted = gradckpt.estimate(model, batch(case, "meta"), device="this", optimizer="adamw",
-                                  world_size=world_size)
-    return gradckpt.solve(predicted, None, case.strategy)
+    return gradckpt.estimate(model, batch(case, "meta"), device="this", optimizer="adamw",
+                             world_size=world_size)
 
 
 def _check(predicted: int, measured: int, what: str) -> None:
