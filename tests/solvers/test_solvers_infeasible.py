@@ -20,6 +20,8 @@ from gradckpt.solvers.infeasible import explain_infeasible
 
 ALLOWANCE = 1.03  # allocator noise allowed on a measured peak
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def chain_profile(head_bytes: int = 0) -> gradckpt.Profile:
     blocks = [BlockProfile(f"h.{i}", 10, 10, 50, True, 1.0, 2.0) for i in range(16)]
