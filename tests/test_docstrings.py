@@ -16,6 +16,9 @@ MODULES = sorted(
     if not name.endswith("__main__")
 )
 
+# The examples run tiny models: one torch thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.mark.parametrize("module_name", MODULES)
 def test_docstring_examples_run(module_name: str) -> None:

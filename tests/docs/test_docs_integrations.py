@@ -22,6 +22,9 @@ BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
 # Scripts for several processes: run with torchrun, two processes on CPU.
 SCRIPTS = re.findall(r"```python torchrun\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
 
+# The examples run tiny models: one torch thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _title(block: str) -> str:
     heading = None

@@ -18,6 +18,9 @@ NAMED_PATH = re.compile(r"(?<![\w/.-])((?:docs|tests|bench|src|\.ci)/[\w./-]*\w)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 README_RUNNABLE = re.compile(r"```python runnable\n(.*?)```", flags=re.DOTALL)
 
+# The examples run tiny models: one torch thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def targets(page: Path) -> list[str]:
     text = page.read_text()
