@@ -16,11 +16,14 @@ came out differently with what the estimate had measured before.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
-__all__ = ["ModeledTime", "Seconds", "entered", "left", "modeled", "modeled_device_kind", "now"]
+__all__ = ["ModeledTime", "Seconds", "entered", "left", "modeled", "modeled_device_kind", "now",
+           "set_aside"]
 
 # Every float is a whole multiple of 2**-1074 (the smallest subnormal): in these ticks any sum
 # of floats is exact.
@@ -145,3 +148,25 @@ def entered(clock: ModeledTime) -> None:
 def left(clock: ModeledTime) -> None:
     """``clock`` is no longer read; the one entered before it, or the wall clock, is."""
     _active.remove(clock)
+
+
+@contextlib.contextmanager
+def set_aside() -> Iterator[None]:
+    """Operations inside run untimed, for work that measures nothing (checking that two blocks
+    compute alike): the active modeled clock, where it is the innermost dispatch mode, steps out
+    for the duration and its reading stays as it was. Elsewhere nothing changes.
+
+    Example:
+        >>> before = now()
+        >>> with set_aside():  # no modeled clock here: the wall clock goes on
+        ...     pass
+        >>> now() >= before
+        True
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    if _active and _get_current_dispatch_mode() is _active[-1]:
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield

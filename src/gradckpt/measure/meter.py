@@ -63,6 +63,10 @@ class MemoryMeter:
         self._tracker: Any = None
         self._highest = 0
         self._exited = False
+        # On CPU: the operations seen so far, and, once ``trace`` is a list, the total after
+        # each (``stand_ins`` compares identical blocks' memory operation by operation).
+        self.operations = 0
+        self.trace: list[int] | None = None
 
     def __enter__(self) -> MemoryMeter:
         if self.device.type == "cuda":
@@ -113,7 +117,12 @@ class MemoryMeter:
             self._highest = self.current()
 
     def _operation_done(self) -> None:
-        self._highest = max(self._highest, self.current())
+        now = self.current()
+        self.operations += 1
+        if now > self._highest:
+            self._highest = now
+        if self.trace is not None:
+            self.trace.append(now)
 
 
 def measure_peak_bytes(

@@ -168,7 +168,17 @@ def _step_replica(
                 settings["foreach"] = foreach  # what PyTorch picks on the real device
             replica_groups.append({**settings, "params": [fakes[id(p)] for p in group["params"]]})
         replica = optimizer_class(replica_groups)
-        replica.step()  # the first step makes the state; the steady state is the second
+        # The first step makes the state; the steady state, metered, is the second. On fake
+        # tensors the first runs the loop over parameters, whatever the second runs: the same
+        # state, for a third less work than foreach's lists (448 LoRA adapters: 1.1 -> 0.7 s).
+        chosen = [group.get("foreach") for group in replica.param_groups]
+        for group in replica.param_groups:
+            if "foreach" in group and not group.get("fused"):
+                group["foreach"] = False
+        replica.step()
+        for group, foreach_chosen in zip(replica.param_groups, chosen, strict=True):
+            if "foreach" in group:
+                group["foreach"] = foreach_chosen
     parameters = list(fakes.values())
     with mode, MemoryMeter("cpu", *parameters, *(p.grad for p in parameters), replica) as meter:
         start = meter.current()

@@ -31,12 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import AUTO, first_tensor, head_chunks_forced
+from ..engine import AUTO, default_head_chunks, first_tensor, head_chunks_forced, vocabulary_size
 from . import clock
 from .model_state import buffers_and_rng_preserved
 from .step_memory import StepMemory
 
-__all__ = ["HeadMeasurement", "chunk_counts", "head_to_chunk", "measure_chunked_head"]
+__all__ = ["HeadMeasurement", "HeadPhaseTimer", "PlainHead", "chunk_counts", "head_to_chunk",
+           "measure_chunked_head"]
 
 # How far the chunked loss may be from the plain one, relative: the sum's order changes
 # (float32: measured ~1e-7), and half-precision logits round per chunk as they do whole.
@@ -85,67 +86,91 @@ def measure_chunked_head(
     head: tuple[str, nn.Module],
     step: Callable[[], torch.Tensor],
     output_bytes: Callable[[], int],
-    tracked: Callable[[], list[Any]],
-    chain: tuple[nn.Module, nn.Module],
+    metered: Callable[[], tuple[StepMemory, float]],
+    last: nn.Module,
     device: torch.device,
     repeats: int,
     expect: Callable[[int], None] = lambda more_steps: None,
+    plain: PlainHead | None = None,
 ) -> list[HeadMeasurement] | str:
     """Measure the step ``step`` runs with ``head`` in chunks (see the module), for each of
     ``chunk_counts``, or say why it cannot be offered. ``step()`` runs one training step and
     returns its loss; ``output_bytes()`` is the size of the output the loop holds from the last
-    step; ``tracked()`` what exists before a step (the model, the sample, that output), for
-    the meter; ``chain`` the chain's first and last block. After the 2 steps of the check,
-    ``expect(n)`` is told how many steps follow (for a progress bar)."""
+    step; ``metered()`` runs a step under the meter and returns its ``StepMemory`` and
+    seconds; ``last`` is the chain's last block. After the steps of the check, ``expect(n)``
+    is told how many steps follow (for a progress bar).
+
+    ``plain``: what the plain step, metered, showed of the head (on a modeled clock). On fake
+    tensors there is no loss to check, every run is timed alike, and AUTO's chunk count
+    follows from the head's input: the head's times are read in the metered steps, against
+    the plain one's, and the steps run are the metered ones and the chunked step before the
+    first (the last runs as AUTO, and must have taken the count worked out)."""
     name, module = head
-    # Copies: the loss itself is the output's, which the next step must find unreferenced.
-    with buffers_and_rng_preserved(model):
-        plain_loss = step().clone()
-    with head_chunks_forced(module, AUTO) as used:
-        chunked_loss = step().clone()  # from the same RNG state and buffers
-    if used["chunks"] < 2:
-        return "the sample has too few tokens to cut the head's loss into chunks"
-    if not clock.modeled() and not _agree(plain_loss, chunked_loss, module):
-        return (f"the loss computed in chunks ({chunked_loss.item():.6g}) is not the model's own "
-                f"({plain_loss.item():.6g}): the model changes its logits in a way "
-                "gradckpt.linear_cross_entropy does not repeat")
-    counts = chunk_counts(used["chunks"])
-    rounds = 1 if clock.modeled() else repeats  # a modeled clock times every round alike
-    expect(len(counts) + rounds * (1 + len({counts[0], counts[-1]})))
+    if plain is not None:
+        most = plain.auto_chunks(module)
+        if most < 2:
+            return "the sample has too few tokens to cut the head's loss into chunks"
+        counts = chunk_counts(most)
+        with head_chunks_forced(module, counts[0]):
+            step()  # the chunked step the first metered one follows, as in a loop
+    else:
+        # Copies: the loss itself is the output's, which the next step must find unreferenced.
+        with buffers_and_rng_preserved(model):
+            plain_loss = step().clone()
+        with head_chunks_forced(module, AUTO) as used:
+            chunked_loss = step().clone()  # from the same RNG state and buffers
+        if used["chunks"] < 2:
+            return "the sample has too few tokens to cut the head's loss into chunks"
+        if not clock.modeled() and not _agree(plain_loss, chunked_loss, module):
+            return (f"the loss computed in chunks ({chunked_loss.item():.6g}) is not the "
+                    f"model's own ({plain_loss.item():.6g}): the model changes its logits in a "
+                    "way gradckpt.linear_cross_entropy does not repeat")
+        counts = chunk_counts(used["chunks"])
+    fewest, most = counts[0], counts[-1]
+    expect(len(counts) + (0 if plain is not None else repeats * (1 + len({fewest, most}))))
     memories = {}
-    for chunks in counts:
-        with head_chunks_forced(module, chunks):
-            previous_output_bytes = output_bytes()  # the chunked step's, held by the loop
-            model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
-            memory = StepMemory(*chain, device)
-            memory.measure(step, tracked())
-            memories[chunks] = (memory, previous_output_bytes)
-    extra = _extra_seconds(module, step, chain[1], device, rounds, counts[0], counts[-1])
-    return [HeadMeasurement(name, chunks, *memories[chunks], extra(chunks))
-            for chunks in counts]
-
-
-def _extra_seconds(
-    head: nn.Module, step: Callable[[], Any], last: nn.Module, device: torch.device,
-    rounds: int, fewest: int, most: int,
-) -> Callable[[int], float]:
-    """The head's extra seconds with the fewest and the most chunks, timed in ``rounds``
-    rounds of plain, fewest, most; in between, in proportion to the chunk count."""
     times: dict[int, list[float]] = {fewest: [], most: []}
-    with _HeadPhaseTimer(last, device) as timer:
-        for _ in range(rounds):
-            plain = timer.time(step)
-            for chunks in times:
-                with head_chunks_forced(head, chunks):
-                    times[chunks].append(timer.time(step) - plain)
+    with HeadPhaseTimer(last, device) as timer:
+        for chunks in counts:
+            forced = AUTO if plain is not None and chunks == most else chunks
+            with head_chunks_forced(module, forced) as used:
+                previous_output_bytes = output_bytes()  # the chunked step's, held by the loop
+                timer.reset()
+                memory, _ = metered()
+            if used["chunks"] != chunks:  # AUTO took another count: measure as without ``plain``
+                return measure_chunked_head(model, head, step, output_bytes, metered, last,
+                                            device, repeats, expect)
+            memories[chunks] = (memory, previous_output_bytes)
+            if plain is not None and chunks in times:
+                times[chunks].append(timer.seconds - plain.seconds)
+        if plain is None:
+            _time_apart(module, step, timer, repeats, times)
     low, high = (max(0.0, statistics.median(times[chunks])) for chunks in (fewest, most))
 
-    def extra(chunks: int) -> float:
+    def extra(chunks: int) -> float:  # in proportion to the chunk count, in between
         if most == fewest:
             return high
         return low + (high - low) * (chunks - fewest) / (most - fewest)
 
-    return extra
+    return [HeadMeasurement(name, chunks, *memories[chunks], extra(chunks))
+            for chunks in counts]
+
+
+def _time_apart(
+    head: nn.Module, step: Callable[[], Any], timer: HeadPhaseTimer, rounds: int,
+    times: dict[int, list[float]],
+) -> None:
+    """The head's extra seconds with each chunk count in ``times``, timed in ``rounds`` rounds
+    of plain, then each count, as a difference from plain in the same round."""
+    for _ in range(rounds):
+        timer.reset()
+        step()
+        plain = timer.seconds
+        for chunks, seconds in times.items():
+            with head_chunks_forced(head, chunks):
+                timer.reset()
+                step()
+                seconds.append(timer.seconds - plain)
 
 
 def _agree(plain: torch.Tensor, chunked: torch.Tensor, head: nn.Module) -> bool:
@@ -156,9 +181,20 @@ def _agree(plain: torch.Tensor, chunked: torch.Tensor, head: nn.Module) -> bool:
     return difference <= tolerance * max(1.0, abs(float(plain)))
 
 
-class _HeadPhaseTimer:
+class HeadPhaseTimer:
     """Times the part of a step from the chain's output (the last block's forward returns)
-    to its gradient (the head's and the loss's forward and backward)."""
+    to its gradient (the head's and the loss's forward and backward): ``seconds``, of the step
+    since ``reset()`` (a block run again in backward, by a model checkpointing itself, starts
+    nothing).
+
+    Example:
+        >>> import torch
+        >>> chain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> with HeadPhaseTimer(chain[0], torch.device("cpu")) as timer:
+        ...     chain(torch.ones(2, 4)).sum().backward()
+        >>> timer.seconds > 0
+        True
+    """
 
     def __init__(self, last: nn.Module, device: torch.device) -> None:
         self.last, self.device = last, device
@@ -166,17 +202,19 @@ class _HeadPhaseTimer:
         self._seconds: float | None = None
         self._hook: Any = None
 
-    def __enter__(self) -> _HeadPhaseTimer:
+    def __enter__(self) -> HeadPhaseTimer:
         self._hook = self.last.register_forward_hook(self._chain_ends)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hook.remove()
 
-    def time(self, step: Callable[[], Any]) -> float:
-        self._start = self._seconds = None
-        step()
+    @property
+    def seconds(self) -> float:
         return self._seconds or 0.0
+
+    def reset(self) -> None:
+        self._start = self._seconds = None
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -192,3 +230,47 @@ class _HeadPhaseTimer:
     def _gradient_arrives(self, gradient: torch.Tensor) -> None:
         if self._start is not None and self._seconds is None:
             self._seconds = self._now() - self._start
+
+
+class PlainHead(HeadPhaseTimer):
+    """The plain step's head, watched while it runs (on a modeled clock): its phase's
+    ``seconds``, and the hidden states it reads (``auto_chunks``).
+
+    Example:
+        >>> import torch
+        >>> chain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 100))
+        >>> with PlainHead(chain[0], chain[1], torch.device("cpu")) as plain:
+        ...     chain(torch.ones(2, 6, 4)).sum().backward()
+        >>> plain.auto_chunks(chain[1])  # 12 tokens, 100 fp32 logits each: 32 chunks at most
+        12
+    """
+
+    def __init__(self, last: nn.Module, head: nn.Module | None, device: torch.device) -> None:
+        super().__init__(last, device)
+        self._head = head
+        self._input: tuple[int, int, int] | None = None  # tokens, width, bytes per element
+        self._head_hook: Any = None
+
+    def __enter__(self) -> PlainHead:
+        if self._head is not None:
+            self._head_hook = self._head.register_forward_pre_hook(self._head_reads)
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __exit__(self, *exc: object) -> None:
+        if self._head_hook is not None:
+            self._head_hook.remove()
+        super().__exit__(*exc)
+
+    def auto_chunks(self, head: nn.Module) -> int:
+        """The chunk count ``AUTO`` takes for the hidden states the head read (1: it read
+        none that ``linear_cross_entropy`` could cut)."""
+        if self._input is None:
+            return 1
+        tokens, width, element_bytes = self._input
+        return default_head_chunks(tokens, vocabulary_size(head), width, element_bytes)
+
+    def _head_reads(self, module: nn.Module, args: tuple) -> None:
+        hidden = first_tensor(args)
+        if self._input is None and hidden is not None and hidden.dim() and hidden.shape[-1]:
+            self._input = (hidden.numel() // hidden.shape[-1], hidden.shape[-1],
+                           hidden.element_size())

@@ -33,7 +33,9 @@ counted once for the chain).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -50,9 +52,10 @@ from .host_link import host_link_notes
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .one_block import measure_block
 from .optimizer_step import OptimizerStep, check_optimizer, measure_optimizer_step
-from .output_head import HeadMeasurement, head_to_chunk, measure_chunked_head
+from .output_head import HeadMeasurement, PlainHead, head_to_chunk, measure_chunked_head
 from .recording import Recording, record_block_calls
 from .side_inputs import with_side_inputs
+from .stand_ins import NotSpliceable, StandIns, splice
 from .step import OutputHolder, training_step
 from .step_memory import StepMemory
 from .tensors import tensor_bytes, tensors_in
@@ -129,15 +132,40 @@ def profile(
                          f"optimizer step), got {accumulation_steps!r}")
     optimizer = check_optimizer(optimizer)  # a misspelt name is told before any step runs
     report = _progress_callback(progress)
+    # On fake tensors (a modeled clock), a long chain of identical blocks runs its steps with
+    # its first blocks only, the rest standing in (``stand_ins``); where the step does not
+    # show that this adds up, it runs again with every block.
+    stand_ins = StandIns.of([module for _, module in named_blocks]) if clock.modeled() else None
+    arguments = (model, sample, loss_fn, named_blocks, blocks is not None, optimizer,
+                 accumulation_steps, keep_output, repeats, report)
+    if stand_ins is not None:
+        try:
+            return _measured(*arguments, stand_ins)
+        except NotSpliceable:
+            pass
+    return _measured(*arguments, None)
+
+
+def _measured(
+    model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+    named_blocks: list[tuple[str, nn.Module]], blocks_given: bool,
+    optimizer: torch.optim.Optimizer | str | None, accumulation_steps: int, keep_output: bool,
+    repeats: int, report: Callable[[int, int], None], stand_ins: StandIns | None,
+) -> Profile:
+    """``profile``'s steps, in order: record the blocks' calls, time and meter the step
+    (and the chunked head's), the optimizer's step, each block on its own, and assemble."""
     device = infer_device(model)
     modules = [m for _, m in named_blocks]
-    warm_up = 0 if clock.modeled() else 1  # a modeled clock has no caches to warm
-    steps = warm_up + repeats + 1 + len(modules)  # warm-up, timed steps, memory step, blocks
+    # A modeled clock times every step alike and has no caches to warm: the memory step is
+    # timed, and the step before it is the recording one. A real one warms up and times apart.
+    modeled = clock.modeled()
+    steps = (0 if modeled else 1 + repeats) + 1 + len(modules)  # timed, memory step, blocks
     with (
         gradients_preserved(model),
         buffers_and_rng_preserved(model),
         ecosystem_hooks_on(model),
         plans_suspended(model),  # a planned model is measured as without its plan, kept on
+        contextlib.ExitStack() as whole_steps,
     ):
         done = 0
 
@@ -146,16 +174,22 @@ def profile(
             done += 1
             report(done, steps)
 
+        if stand_ins is not None:
+            whole_steps.enter_context(stand_ins.in_place())
+        out = OutputHolder()  # the loop's ``out``, from one step to the next
         # Where the model checkpoints itself with torch.utils.checkpoint, warn about the silent
         # failures that can hide there (double checkpointing, frozen inputs, RNG not replayed).
         with torch_checkpoints_watched(named_blocks), heads_called() as heads:
-            recording = record_block_calls(model, sample, loss_fn, modules)
+            recording = record_block_calls(model, sample, loss_fn, modules,
+                                           out if modeled and keep_output else None)
         head = head_to_chunk(model, heads)
-        if not isinstance(head, str):  # its check's 2 steps; the rest once the counts are known
-            steps += 2
+        if not isinstance(head, str):  # the steps before the counts are known
+            steps += 1 if modeled else 2
         if recording.order != list(range(len(modules))):
+            if stand_ins is not None:
+                raise NotSpliceable("the blocks run in another order")
             ran = [named_blocks[index][0] for index in recording.order]
-            if blocks is not None:
+            if blocks_given:
                 raise UsageError(
                     f"blocks= must list the blocks in the order they run; on this sample they "
                     f"ran as {ran}"
@@ -166,7 +200,6 @@ def profile(
             modules = [module for _, module in named_blocks]
         calls = [recording.calls[index] for index in recording.order]
         chain_breaks = recording.chain_breaks()
-        out = OutputHolder()  # the loop's ``out``, from one step to the next
 
         def step() -> torch.Tensor:
             # As a training loop runs it: gradients start out as None (optimizer.zero_grad()).
@@ -181,57 +214,101 @@ def profile(
         def tracked() -> list[Any]:
             return [model, *tensors_in(sample), *tensors_in(out.output)]
 
-        if warm_up:
-            step()  # lazy initialisations, allocator caches
-        with BlockForwardTimer(modules, device) as timer:
+        def metered() -> tuple[StepMemory, float]:
+            """One step under the meter, from no gradients, and its seconds; with blocks
+            standing in, as the whole chain has them."""
+            model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
+            memory = (stand_ins.step_memory(device) if stand_ins is not None
+                      else StepMemory(modules[0], modules[-1], device))
+            start = clock.now()
+            memory.measure(step, tracked())
+            seconds = clock.now() - start
+            if stand_ins is None:
+                return memory, seconds
+            memory, added_seconds = splice(memory, stand_ins.kept, len(modules))
+            return memory, seconds + added_seconds
 
-            def timed_step() -> None:
-                timer.begin_step()
-                step()
-                timer.end_step()
-
-            step_seconds = median_seconds(timed_step, repeats, device)
-        in_step_forward = timer.median_seconds()
-        memory = StepMemory(modules[0], modules[-1], device)
-        model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
         model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         sample_storages = {storage_key(tensor) for tensor in tensors_in(sample)}
-        previous_output_bytes = output_bytes()
-        # The previous output is let go when the step's forward returns, as in the loop:
-        # nothing but ``out`` may hold it (measure() empties its list).
-        memory.measure(step, tracked())
+        plain: PlainHead | None = None  # on a modeled clock, the plain step's head
+        if modeled:
+            held = recording.held_storages()
+            if any(storage_key(tensor) in held for tensor in tensors_in(out.output)):
+                # The recorded step's output shares memory with a block's argument, which the
+                # recording keeps (T5's encoder output, its decoder blocks' argument): it would
+                # never be let go. The output of one more step is the loop's previous one.
+                steps += 1
+                step()
+            previous_output_bytes = output_bytes()
+            plain = PlainHead(modules[-1], None if isinstance(head, str) else head[1], device)
+            with BlockForwardTimer(modules, device) as timer, plain:
+                timer.begin_step()
+                memory, step_seconds = metered()
+                timer.end_step()
+        else:
+            step()  # lazy initialisations, allocator caches
+            with BlockForwardTimer(modules, device) as timer:
+
+                def timed_step() -> None:
+                    timer.begin_step()
+                    step()
+                    timer.end_step()
+
+                step_seconds = median_seconds(timed_step, repeats, device)
+            previous_output_bytes = output_bytes()
+            # The previous output is let go when the step's forward returns, as in the loop:
+            # nothing but ``out`` may hold it (measure() empties its list).
+            memory, _ = metered()
+        in_step_forward = timer.median_seconds()
+        if stand_ins is not None:  # the blocks standing in forward as the last kept one
+            in_step_forward[stand_ins.kept:] = [in_step_forward[stand_ins.kept - 1]] * len(
+                stand_ins.standing_in)
         if not isinstance(head, str):
             def expect(more_steps: int) -> None:
                 nonlocal steps
                 steps += more_steps
 
-            head = measure_chunked_head(model, head, step, output_bytes, tracked,
-                                        (modules[0], modules[-1]), device, repeats, expect)
+            head = measure_chunked_head(
+                model, head, step, output_bytes, metered, modules[-1], device, repeats, expect,
+                plain)
+        whole_steps.close()
         out.output = None
         optimizer_step = measure_optimizer_step(
             optimizer, model, clock.modeled_device_kind() or device)
-        measured = []
-        saved_side_inputs = []
+        measured: list[BlockProfile] = []
+        saved_side_inputs: list[dict[int, int]] = []
         time_ratios = []
+        keys = []
         kinds = [block_kind(module, call) for module, call in zip(modules, calls, strict=True)]
         # On fake tensors timed by a modeled clock (estimate), identical blocks measure the
         # same: each one's first pass is checked against the first like it, the rest reused.
         alike: dict[Any, tuple[BlockProfile, dict[int, int], Any]] = {}
         first_of_kind: dict[Any, BlockProfile] = {}  # whose op-level choices the others share
-        for (name, module), call, gradient_bytes, forward_in_step, kind in zip(
-            named_blocks, calls, _gradient_bytes(modules), in_step_forward, kinds, strict=True
-        ):
+        for index, ((name, module), call, gradient_bytes, forward_in_step, kind) in enumerate(
+                zip(named_blocks, calls, _gradient_bytes(modules), in_step_forward, kinds,
+                    strict=True)):
             sides = call.side_storages(model_storages)
             key = (kind, tuple(p.requires_grad for p in module.parameters()),
                    tuple(sorted(sides.items())), gradient_bytes, forward_in_step)
-            with call.ambient():
-                block, saved_sides, ratios = measure_block(
-                    name, module, call, repeats, device, gradient_bytes, forward_in_step,
-                    sides, like=alike.get(key) if clock.modeled() else None,
-                    same_kind=first_of_kind.get(kind),
-                )
-            alike.setdefault(key, (block, saved_sides, ratios))
-            first_of_kind.setdefault(kind, block)
+            keys.append(key)
+            if stand_ins is not None and index >= stand_ins.kept:
+                # It stood in: measured as the last kept block, once shown to compute alike.
+                last = stand_ins.kept - 1
+                if key != keys[last]:
+                    raise NotSpliceable("a block standing in is called otherwise")
+                with call.ambient():
+                    stand_ins.computes_alike(module, call, modules[last], calls[last])
+                block = replace(measured[last], name=name)
+                saved_sides, ratios = saved_side_inputs[last], time_ratios[last]
+            else:
+                with call.ambient():
+                    block, saved_sides, ratios = measure_block(
+                        name, module, call, repeats, device, gradient_bytes, forward_in_step,
+                        sides, like=alike.get(key) if clock.modeled() else None,
+                        same_kind=first_of_kind.get(kind),
+                    )
+                alike.setdefault(key, (block, saved_sides, ratios))
+                first_of_kind.setdefault(kind, block)
             measured.append(block)
             saved_side_inputs.append(saved_sides)
             time_ratios.append(ratios)
@@ -250,6 +327,9 @@ def profile(
     accumulated = accumulated_gradient_bytes(model, accumulation_steps)
     plain = _steady_state(assembled, memory, optimizer_step, accumulated, model, sample,
                           keep_output)
+    if modeled:
+        plain.notes["blocks_traced_in_steps"] = (stand_ins.kept if stand_ins is not None
+                                                 else len(modules))
     if isinstance(head, str):
         plain.notes["chunked_head"] = head
         return plain

@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine import AutocastSnapshot, continues_chain, detached_like, first_tensor, storage_key
 from ..errors import UsageError
-from .step import loss_of, run_model
-from .tensors import tensor_bytes
+from .step import OutputHolder, loss_of, run_model
+from .tensors import tensor_bytes, tensors_in
 
 __all__ = ["BlockCall", "Recording", "record_block_calls"]
 
@@ -102,6 +102,14 @@ class Recording:
     # The storages of the tensors in the model's output (logits, an encoder's last hidden state).
     output_storages: set = field(default_factory=set)
 
+    def held_storages(self) -> set:
+        """The storages of the tensors this recording holds on to: the blocks' arguments and
+        outputs, from the step recorded."""
+        held = [*tensors_in([call.leaves for call in self.calls.values()]),
+                *tensors_in(list(self.arguments.values())),
+                *(output for output in self.outputs.values() if output is not None)]
+        return {storage_key(tensor) for tensor in held}
+
     def gradients_made_after(self) -> list[int]:
         """Per position in ``order``, the bytes of ``gradients_after`` its block's backward."""
         return [self.gradients_after.get(index, 0) for index in self.order]
@@ -117,10 +125,13 @@ class Recording:
 
 
 def record_block_calls(
-    model: nn.Module, sample: Any, loss_fn: Any, blocks: list[nn.Module]
+    model: nn.Module, sample: Any, loss_fn: Any, blocks: list[nn.Module],
+    holder: OutputHolder | None = None,
 ) -> Recording:
     """Run one plain training step (forward, loss, backward) with hooks on ``blocks`` and on
     the parameters outside them, and return what it showed; the hooks are removed after.
+    With ``holder``, the model's output outlives the step there, as a loop's ``out`` does
+    (the step metered next starts with it, as it would after any step).
 
     Raises ``UsageError`` if a block did not run on ``sample``.
     """
@@ -189,6 +200,8 @@ def record_block_calls(
             storage_key(leaf) for leaf in tree_flatten(output)[0]
             if isinstance(leaf, torch.Tensor)
         }
+        if holder is not None:
+            holder.output = output
         del output
         loss.backward()
     finally:

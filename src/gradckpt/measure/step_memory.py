@@ -3,16 +3,36 @@ head, its backward and after it (what ``gradckpt.cost`` models each phase of the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..engine import first_tensor
+from . import clock
 from .meter import MemoryMeter
 
-__all__ = ["StepMemory"]
+__all__ = ["Mark", "StepMemory"]
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A moment of the step, closing the stretch since the mark before: ``what`` happened
+    (a phase began: its name; a marked block's forward began, ``"forward"``, or returned,
+    ``"returned"``; the gradient of its input arrived, ``"backward"``; the step ended,
+    ``"end"``), to which block (its index among the marked ones), in which phase the
+    stretch before it lay; the bytes allocated now, the most allocated in that stretch, the
+    clock, and the operations dispatched so far."""
+
+    what: str
+    block: int | None
+    phase: str
+    current: int
+    peak: int
+    seconds: float
+    operations: int
 
 
 class StepMemory:
@@ -21,16 +41,24 @@ class StepMemory:
 
     Phases: "before" the chain, the chain's "forward", the "head" (from the chain's output to
     its gradient), the chain's "backward", and "after" it (the embedding's backward).
+
+    ``marked``: blocks of the chain (its first ones) whose own stretches are noted too, in
+    ``marks`` (each phase's start is a mark as well), with the total after each operation in
+    ``trace``: ``stand_ins`` puts a step of a long chain together from them.
     """
 
-    def __init__(self, first: nn.Module, last: nn.Module, device: torch.device) -> None:
+    def __init__(self, first: nn.Module, last: nn.Module, device: torch.device,
+                 marked: Sequence[nn.Module] = ()) -> None:
         self.first, self.last, self.device = first, last, device
+        self.marked = list(marked)
         self.phase = "before"
         self.highest: dict[str, int] = dict.fromkeys(
             ("before", "forward", "head", "backward", "after"), 0
         )
         self.start = self.peak = self.chain_backward_start = self.chain_backward_end = 0
         self.end = 0
+        self.marks: list[Mark] = []
+        self.trace: list[int] = []
         self._memory: MemoryMeter | None = None
 
     def measure(self, step: Callable[[], None], tracked: list[Any]) -> None:
@@ -41,24 +69,53 @@ class StepMemory:
             self.first.register_forward_pre_hook(self._chain_starts, with_kwargs=True),
             self.last.register_forward_hook(self._chain_ends),
         ]
+        for index, block in enumerate(self.marked):
+            if index > 0:  # the first block's start and gradient are the phases'
+                hooks.append(block.register_forward_pre_hook(
+                    self._block_starts(index), with_kwargs=True))
+            hooks.append(block.register_forward_hook(self._block_returns(index)))
         try:
             with MemoryMeter(self.device, *tracked) as memory:
                 tracked.clear()
                 self._memory = memory
+                if self.marked:
+                    memory.trace = self.trace
                 self.start = memory.current()
                 step()
-                self._enter(self.phase)
+                self._enter(self.phase, "end")
                 self.end = memory.current()  # what the step leaves: gradients, the output
         finally:
             for hook in hooks:
                 hook.remove()
         self.peak = max(self.highest.values())
 
-    def _enter(self, phase: str) -> None:
+    def _enter(self, phase: str, what: str | None = None, block: int | None = None) -> None:
         assert self._memory is not None
-        self.highest[self.phase] = max(self.highest[self.phase], self._memory.peak())
+        peak = self._memory.peak()
+        self.highest[self.phase] = max(self.highest[self.phase], peak)
+        if self.marked:
+            self.marks.append(Mark(what or phase, block, self.phase, self._memory.current(),
+                                   peak, clock.now(), self._memory.operations))
         self._memory.reset_peak()
         self.phase = phase
+
+    def _mark(self, what: str, block: int) -> None:
+        self._enter(self.phase, what, block)
+
+    def _block_starts(self, index: int) -> Callable[..., None]:
+        def starts(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._mark("forward", index)
+            hidden = first_tensor((args, kwargs))
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(lambda gradient: self._mark("backward", index))
+
+        return starts
+
+    def _block_returns(self, index: int) -> Callable[..., None]:
+        def returns(module: nn.Module, args: tuple, output: Any) -> None:
+            self._mark("returned", index)
+
+        return returns
 
     def _chain_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._enter("forward")
