@@ -27,6 +27,8 @@ import gradckpt
 from gradckpt import CheckpointError, Fate, GradckptError, UsageError
 from gradckpt.measure import MemoryMeter
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 THIS_FILE = pathlib.Path(__file__)
 
 

@@ -28,6 +28,8 @@ from gradckpt.plan import Plan, Segment
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 LAYERS = 4
 
 

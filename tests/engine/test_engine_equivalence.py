@@ -45,6 +45,8 @@ from engine_models import (
 import gradckpt
 from gradckpt import Fate
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 # ---------------------------------------------------------------------------------------------
 # The matrix: cases x policies x (function | module form) x (plain | torch reference)
 # ---------------------------------------------------------------------------------------------

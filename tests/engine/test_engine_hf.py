@@ -21,6 +21,8 @@ import gradckpt
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def tiny_llama() -> tuple[nn.Module, Callable[[nn.Module], nn.ModuleList]]:
     return hf_models.tiny_llama(layers=3), lambda model: model.model.layers

@@ -30,6 +30,8 @@ from torch import nn
 import gradckpt
 from gradckpt.measure import MemoryMeter
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 CPU = torch.device("cpu")
 BATCH, WIDTH = 16, 32
 FLOAT_BYTES = 4

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from engine_models import (
     ACTIVATIONS,
@@ -44,6 +45,8 @@ from torch import nn
 
 import gradckpt
 from gradckpt import Fate
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 
 class RandomFates:

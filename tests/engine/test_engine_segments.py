@@ -23,6 +23,8 @@ from gradckpt.engine import checkpoint_segments
 from gradckpt.measure import MemoryMeter
 from gradckpt.toy_models import GPTConfig, TinyGPT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 LAYERS = 6
 CONFIG = GPTConfig(n_layer=LAYERS, n_embd=32, n_head=2, block_size=16, dropout=0.1)
 

@@ -18,6 +18,8 @@ from engine_models import assert_identical
 import gradckpt
 from gradckpt import Fate
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def keep_all(op: Any, output: torch.Tensor) -> Fate:
     return Fate.KEEP

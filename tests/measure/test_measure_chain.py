@@ -20,6 +20,8 @@ from gradckpt.toy_models import GPTConfig, TinyGPT, mlp_chain, small_cnn
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 VOCAB = 64
 
 

@@ -23,6 +23,8 @@ from gradckpt.measure import MemoryMeter, measure_peak_bytes
 
 peft = pytest.importorskip("peft")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def llama_step(model: nn.Module, input_ids: torch.Tensor) -> None:
     output = model(input_ids=input_ids, labels=input_ids)  # held through backward

@@ -12,6 +12,8 @@ import gradckpt
 from gradckpt.errors import GradckptWarning, forget_warnings
 from gradckpt.measure import measure_peak_bytes
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def test_the_peak_equals_the_meters() -> None:
     model = torch.nn.Linear(256, 256)

@@ -20,6 +20,8 @@ from gradckpt.plan import Segment
 from gradckpt.profile_types import BlockProfile
 from gradckpt.toy_models import GPTConfig, TinyGPT, small_cnn
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 BATCH, SEQ = 4, 64
 CONFIG = GPTConfig(n_layer=6, n_embd=64, n_head=4, block_size=SEQ, dropout=0.1)
 

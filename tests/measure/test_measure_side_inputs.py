@@ -19,7 +19,10 @@ from gradckpt.profile_types import BlockProfile, Profile
 
 # MemTracker warns when a module it tracked was collected before its backward hook ran (the
 # Hugging Face models' temporary modules); it measures the same.
-pytestmark = pytest.mark.filterwarnings("ignore:Module is None:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Module is None:UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 LAYERS = 2  # per stack
 BATCH, SOURCE, TARGET, D_MODEL = 4, 24, 16, 64

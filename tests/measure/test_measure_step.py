@@ -23,6 +23,8 @@ from gradckpt.measure.tensors import tensors_in
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 VOCAB, BATCH, SEQ = 2000, 2, 128
 
 

@@ -20,6 +20,8 @@ from gradckpt.measure.memory_parts import (
 from gradckpt.report import MemoryParts, memory_breakdown_table
 from gradckpt.toy_models import GPTConfig, TinyGPT, mlp_chain
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 MiB = 2**20
 
 

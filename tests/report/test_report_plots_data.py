@@ -23,6 +23,8 @@ from gradckpt.report import StrategyPoint, draw_frontier, draw_memory_vs_depth
 from gradckpt.solvers import BUDGET_DRIVEN
 from gradckpt.toy_models import GPTConfig, TinyGPT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 pytest.importorskip("matplotlib")
 
 MiB = 2**20

@@ -18,6 +18,8 @@ from gradckpt.report import (
     plot_memory_vs_depth,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,6 +10,8 @@ import gradckpt
 from gradckpt.side_by_side import compare_plans, plans_at_shares, time_side_by_side
 from gradckpt.toy_models import mlp_chain
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def test_compare_plans_needs_a_plan_and_leaves_the_model_alone() -> None:
     model = mlp_chain(2, 8)

@@ -24,6 +24,8 @@ from gradckpt.solvers import optimal as optimal_solver
 from gradckpt.solvers import solve
 from gradckpt.solvers.optimal import memory_unit_bytes, minimum_peak_bytes
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 SCALE = 100_003  # bytes per byte of the random profiles: megabyte-sized blocks
 
 

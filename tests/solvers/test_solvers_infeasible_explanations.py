@@ -24,6 +24,8 @@ from gradckpt.profile_types import BlockProfile
 from gradckpt.solvers.infeasible import RETRY_WITHOUT_MEASURING, budget_message
 from gradckpt.toy_models import mlp_chain
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 GIB = 2**30
 
 

@@ -26,6 +26,8 @@ from gradckpt.profile_types import OpChoice, Profile, example_block
 from gradckpt.solvers.chain_costs import ChainCosts
 from gradckpt.solvers.optimal import minimum_peak_bytes
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 FIXED = 1000
 MM = "save-ops:aten.mm"
 

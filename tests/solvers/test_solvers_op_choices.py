@@ -35,6 +35,8 @@ from gradckpt.solvers import solve
 from gradckpt.solvers.chain_costs import ChainCosts
 from gradckpt.solvers.optimal import minimum_peak_bytes
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 OPERATIONS = ["aten.mean", "aten.silu", "aten.mul", "aten.add", "aten.bmm", "aten._safe_softmax"]
 
 

@@ -23,6 +23,8 @@ from gradckpt.solvers.chen_greedy import minimum_peak_bytes as greedy_minimum_pe
 from gradckpt.solvers.optimal import memory_unit_bytes, minimum_peak_bytes, solve_optimal
 from gradckpt.solvers.sqrt import solve_sqrt
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 FIXED_BYTES = 1000
 
 
