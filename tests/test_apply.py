@@ -13,6 +13,8 @@ from gradckpt import UsageError
 from gradckpt.plan import Plan, Segment
 from gradckpt.toy_models import GPTConfig, TinyGPT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16, dropout=0.1)
 NAMES = [f"transformer.h.{i}" for i in range(CONFIG.n_layer)]
 

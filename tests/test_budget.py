@@ -27,6 +27,8 @@ from gradckpt.budget import (
     rounded_up_budget,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
 
 

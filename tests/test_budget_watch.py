@@ -15,6 +15,8 @@ from gradckpt.budget_watch import watch_budget, watch_of
 from gradckpt.errors import GradckptWarning, UsageError
 from gradckpt.plan import Plan
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 MIB = 2**20
 BUDGET = 100 * MIB
 PLAN = Plan("optimal", BUDGET, [], 90 * MIB, 0.0, 0.0)

@@ -18,6 +18,8 @@ from gradckpt.measure import loss_of, measure_peak_bytes
 from gradckpt.plan import Segment
 from gradckpt.toy_models import GPTConfig, TinyGPT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 def lora_chain() -> nn.Module:
     torch.manual_seed(0)

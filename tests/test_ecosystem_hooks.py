@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from hf_models import causal_sample, tiny_llama
 
@@ -18,6 +19,8 @@ from gradckpt.ecosystem_hooks import (
     unregister_ecosystem_hook,
 )
 from gradckpt.integrations.hf import adapt_transformers, turn_caches_off
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 
 def test_adapters_run_in_order_and_undo_last_first() -> None:

@@ -34,6 +34,8 @@ from gradckpt.plan import Plan, Segment
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 
 # --- helpers --------------------------------------------------------------------------------
 

@@ -42,6 +42,8 @@ from gradckpt.op_choices import (
 )
 from gradckpt.profile_types import OpChoice, Profile, example_block
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
 TOLERANCE = 1e-9  # shares are float sums; the menu treats shares within 1e-12 as equal
 
 # Operation names as profiles record them: matmuls and attention, and cheap elementwise ones.
