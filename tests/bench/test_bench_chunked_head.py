@@ -22,7 +22,9 @@ ROWS = ["1 plain", "2 chunked head alone", "3 least without chunked head",
 
 
 def test_quick_mode_prints_the_four_rows_and_the_verdict() -> None:
+    # One torch thread: a smoke test of tiny models (see tests/conftest.py, one_thread).
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    environment["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--max-foreign-load", "inf"],
         capture_output=True, text=True, timeout=600, env=environment,

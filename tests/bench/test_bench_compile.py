@@ -20,7 +20,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compile.py"
 
 
 def test_quick_mode_prints_the_table_and_the_verdict() -> None:
+    # One torch thread: a smoke test of tiny models (see tests/conftest.py, one_thread).
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    environment["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--max-foreign-load", "inf"],
         capture_output=True, text=True, timeout=900, env=environment,

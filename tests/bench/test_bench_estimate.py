@@ -10,6 +10,7 @@ verdict, not this test's; on Llama and the CNN the plain step's bytes must be ex
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "estimate_accuracy.py"
 
 
 def run_script(*arguments: str) -> subprocess.CompletedProcess[str]:
+    # One torch thread: a smoke test of tiny models (see tests/conftest.py, one_thread).
     return subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow

@@ -20,9 +20,11 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.mark.slow
 def test_quick_mode_prints_every_table_and_the_verdict() -> None:
-    # Without the malloc variables, so that the script sets them and restarts itself.
+    # Without the malloc variables, so that the script sets them and restarts itself; one torch
+    # thread: a smoke test of tiny models (see tests/conftest.py, one_thread).
     environment = {name: value for name, value in os.environ.items()
                    if not name.startswith("MALLOC_")}
+    environment["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [sys.executable, str(BENCH / "estimate_times.py"), "--quick"],
         capture_output=True, text=True, timeout=180, env=environment,

@@ -34,7 +34,9 @@ def table_rows(lines: list[str], heading: str, count: int) -> list[str]:
 
 @pytest.mark.parametrize("model", ["llama", "tinygpt"])
 def test_quick_mode_prints_both_parts_and_the_verdict(model: str) -> None:
+    # One torch thread: a smoke test of tiny models (see tests/conftest.py, one_thread).
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    environment["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--model", model, "--max-foreign-load", "inf"],
         capture_output=True, text=True, timeout=600, env=environment,
