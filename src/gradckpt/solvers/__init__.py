@@ -125,19 +125,13 @@ def solve(
             device_bytes=profile.notes.get("device_usable_bytes"),
         )
 
-    candidates: list[Plan] = []
-    fitting: list[Plan] = []
-    for chunks in _head_choices(profile, output_head):
-        # A chunked head whose own extra time is no less than a plan that fits already cannot
-        # be faster (a plan adds its chain's extra time to it; ties go to the one before).
-        if fitting and chunks > 1 and min(plan.predicted_extra_seconds for plan in fitting) <= (
-                profile.chunked_head(chunks).extra_seconds):
-            continue
-        plan = plan_for(profile, strategy, budget_bytes,
-                        STRATEGIES[strategy](as_chunked(profile, chunks), budget_bytes), chunks)
-        candidates.append(plan)
-        if budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes:
-            fitting.append(plan)
+    candidates = [
+        plan_for(profile, strategy, budget_bytes,
+                 STRATEGIES[strategy](as_chunked(profile, chunks), budget_bytes), chunks)
+        for chunks in _head_choices(profile, output_head)
+    ]
+    fitting = [plan for plan in candidates
+               if budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes]
     if not fitting:
         raise _infeasible(profile, strategy, budget_bytes, candidates, output_head)
     # The plain head first: on a tie it wins (the logits as the model returns them).
@@ -185,13 +179,13 @@ def _infeasible(
     least_of_each = []
     for plan in candidates:
         step = as_chunked(profile, plan.head_chunks)
-        minimum = (BUDGET_DRIVEN[strategy](step) if strategy in BUDGET_DRIVEN
-                   else plan.predicted_peak_bytes)
-        least_of_each.append((minimum, step, plan))
-    minimum_bytes, step, plan = min(least_of_each, key=lambda item: item[0])
-    # The plan at that least budget, solved for the one step that reaches it.
-    least = (STRATEGIES[strategy](step, minimum_bytes) if strategy in BUDGET_DRIVEN
-             else plan.segments)
+        if strategy in BUDGET_DRIVEN:
+            minimum = BUDGET_DRIVEN[strategy](step)
+            segments = STRATEGIES[strategy](step, minimum)
+        else:
+            minimum, segments = plan.predicted_peak_bytes, plan.segments
+        least_of_each.append((minimum, step, segments))
+    minimum_bytes, step, least = min(least_of_each, key=lambda item: item[0])
     if strategy in BUDGET_DRIVEN:
         what = "any plan reaches" if strategy == "optimal" else f"any {strategy} plan reaches"
     else:
