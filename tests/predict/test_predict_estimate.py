@@ -54,12 +54,8 @@ def test_estimate_and_profile_agree_on_bytes(case) -> None:
     if case.name in ("cnn", "lora"):
         assert predicted.notes["attention"].startswith("no fused attention kernel")
     assert predicted.step_seconds > 0
-    # Blocks that compute take time, their backward at least half their forward's; a block of
-    # views only (the CNN's Flatten) takes none on a roofline.
-    for block in predicted.blocks:
-        views_only = case.name == "cnn" and block.name == "5"
-        assert (block.forward_seconds == 0) == views_only, block.name
-        assert block.backward_seconds >= block.forward_seconds / 2, block.name
+    assert all(b.forward_seconds > 0 and b.backward_seconds > b.forward_seconds / 2
+               for b in predicted.blocks)
 
 
 def test_a_model_on_the_meta_device_is_estimated_in_bf16() -> None:

@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-__all__ = ["ModeledTime", "Seconds", "entered", "left", "modeled", "modeled_device_kind", "now",
-           "set_aside"]
+__all__ = ["BOOKKEEPING", "ModeledTime", "Seconds", "bookkeeping", "entered", "left", "modeled",
+           "modeled_device_kind", "now", "set_aside"]
 
 # Every float is a whole multiple of 2**-1074 (the smallest subnormal): in these ticks any sum
 # of floats is exact.
@@ -102,6 +102,7 @@ class _ActiveClocks(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[ModeledTime] = []
+        self.bookkeeping = 0  # inside a meter's own bookkeeping (``Bookkeeping``), how deep
 
     def __bool__(self) -> bool:
         return bool(self.stack)
@@ -170,3 +171,31 @@ def set_aside() -> Iterator[None]:
             yield
     else:
         yield
+
+
+class _Bookkeeping:
+    """``with BOOKKEEPING:`` marks a meter's own work between the step's operations (asking
+    fake tensors about their storage, which fake tensors answer with operations of their own):
+    a modeled clock does not time it, so that a step metered takes the time it takes unmetered.
+    """
+
+    def __enter__(self) -> None:
+        _active.bookkeeping += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _active.bookkeeping -= 1
+
+
+BOOKKEEPING = _Bookkeeping()
+
+
+def bookkeeping() -> bool:
+    """Whether this thread is inside ``BOOKKEEPING`` (a modeled clock times nothing then).
+
+    Example:
+        >>> with BOOKKEEPING:
+        ...     inside = bookkeeping()
+        >>> inside, bookkeeping()
+        (True, False)
+    """
+    return _active.bookkeeping > 0

@@ -220,16 +220,17 @@ def _mem_tracker_class(guarded: bool) -> type:
                 result = args[0]  # as in eager, a wait returns its input (MemTracker's note)
             else:
                 result = func(*args, **(kwargs or {}))
-            if active_fake_mode() is self._fake_mode_on_entry:
-                if self._in_opt:
-                    reftype = _MemRefType.OPT
-                elif self._mod_tracker.is_bw and not self._in_ac:
-                    reftype = _MemRefType.TEMP
-                else:
-                    reftype = _MemRefType.ACT
-                for tensor in _tensors_of(result):
-                    self._track(reftype, tensor)
-            self.after_each_operation()
+            with clock.BOOKKEEPING:  # what the tracker asks of fake tensors is not the step's
+                if active_fake_mode() is self._fake_mode_on_entry:
+                    if self._in_opt:
+                        reftype = _MemRefType.OPT
+                    elif self._mod_tracker.is_bw and not self._in_ac:
+                        reftype = _MemRefType.TEMP
+                    else:
+                        reftype = _MemRefType.ACT
+                    for tensor in _tensors_of(result):
+                        self._track(reftype, tensor)
+                self.after_each_operation()
             return result
 
         def _track_module_params_and_buffers(

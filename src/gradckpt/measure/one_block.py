@@ -64,7 +64,6 @@ def measure_block(
     # them allocated, and a backward accumulating into them would not count the new ones (an
     # MLP weight's gradient was missing from the peak of a Llama layer's backward).
     block.zero_grad(set_to_none=True)
-    began = clock.now()
     args, kwargs, hidden = call.fresh()
     saved: dict[int, int] = {}  # storage -> bytes, each storage once
 
@@ -81,7 +80,6 @@ def measure_block(
         start = memory.current()
         with torch.autograd.graph.saved_tensors_hooks(remember, lambda tensor: tensor):
             output = block(*args, **kwargs)
-        alone = [clock.now() - began]  # its forward, then its forward and backward
         forward_peak = memory.peak() - start
         chain_output = _block_output(output)
         gradient = torch.ones_like(chain_output)
@@ -96,7 +94,6 @@ def measure_block(
         memory.reset_peak()
         torch.autograd.backward(edge, gradient)
         backward_peak = memory.peak() - start
-    alone.append(clock.now() - began)
     input_saved = storage_key(hidden) in saved
     output_saved = output_key in saved
     saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
@@ -110,22 +107,35 @@ def measure_block(
                           same.backward_peak_bytes, like[1]):
             return replace(same, name=name), like[1], like[2]
 
-    if not clock.modeled():
-        times = _timed_in_turn(block, call, repeats, device)
+    def forward_only() -> Any:
+        a, k, _ = call.fresh()
+        return block(*a, **k)
+
+    def forward_and_backward() -> None:
+        out = _block_output(forward_only())
+        out.backward(torch.ones_like(out))
+
+    # Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats`` rounds:
+    # each time is kept as a multiple of the forward timed in the same round, moments apart (a
+    # shared machine's pace drifts by 10-20% over seconds), then put at the step's pace by the
+    # forward timed inside the step, where the step's own time was taken.
+    forward_times, backward, checkpointed, policy = interleaved_seconds(
+        [forward_only, forward_and_backward, _checkpointed_step(block, call, None),
+         _checkpointed_step(block, call, PLANNED_POLICY)],
+        repeats, device,
+    )
+    forward_seconds = (statistics.median(forward_times) if forward_in_step is None
+                       else forward_in_step)
+
+    ratios = TimeRatios.of(forward_times, backward, checkpointed, policy)
     block.zero_grad(set_to_none=True)
     operations = operations_of(block, call, side_inputs)
-    checkpointed_forward_peak, checkpointed_backward_peak, checkpointed = _checkpointed_peaks(
-        block, call, device, policy=None)
-    policy_forward_peak, policy_backward_peak, planned = _checkpointed_peaks(
-        block, call, device, policy=PLANNED_POLICY)
-    if clock.modeled():
-        # A modeled clock times a run as the exact sum of its operations' times, and the runs
-        # above ran what the timed ones would (a fresh input, the block plain, checkpointed or
-        # under the policy, its backward): their times, read there, are those.
-        times = ([alone[0]], *([total - alone[0]] for total in (alone[1], checkpointed, planned)))
-    forward_seconds = (statistics.median(times[0]) if forward_in_step is None
-                       else forward_in_step)
-    ratios = TimeRatios.of(*times)
+    checkpointed_forward_peak, checkpointed_backward_peak = _checkpointed_peaks(
+        block, call, device, policy=None
+    )
+    policy_forward_peak, policy_backward_peak = _checkpointed_peaks(
+        block, call, device, policy=PLANNED_POLICY
+    )
     block_profile = BlockProfile(
         name=name,
         input_bytes=tensor_bytes(hidden),
@@ -163,30 +173,6 @@ def measure_block(
     return block_profile, saved_sides, ratios
 
 
-def _timed_in_turn(
-    block: nn.Module, call: BlockCall, repeats: int, device: torch.device
-) -> tuple[list[float], ...]:
-    """Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats``
-    rounds: each time is kept as a multiple of the forward timed in the same round, moments
-    apart (a shared machine's pace drifts by 10-20% over seconds), then put at the step's pace
-    by the forward timed inside the step, where the step's own time was taken."""
-
-    def forward_only() -> Any:
-        a, k, _ = call.fresh()
-        return block(*a, **k)
-
-    def forward_and_backward() -> None:
-        out = _block_output(forward_only())
-        out.backward(torch.ones_like(out))
-        block.zero_grad(set_to_none=True)  # the next run starts without gradients, as a step does
-
-    return interleaved_seconds(
-        [forward_only, forward_and_backward, _checkpointed_step(block, call, None),
-         _checkpointed_step(block, call, PLANNED_POLICY)],
-        repeats, device,
-    )
-
-
 def _measured_op_choices(
     block: nn.Module, call: BlockCall, device: torch.device, measured: BlockProfile
 ) -> list[OpChoice]:
@@ -200,7 +186,7 @@ def _measured_op_choices(
     agreed = replace(measured, forward_seconds_by_op=by_op)
     for operations, kept_bytes, share in menu_of(agreed):
         policy = save_ops_policy_name(operations)
-        forward_peak, backward_peak, _ = _checkpointed_peaks(block, call, device, policy=policy)
+        forward_peak, backward_peak = _checkpointed_peaks(block, call, device, policy=policy)
         choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak))
     return choices
 
@@ -232,11 +218,10 @@ def _agreed_across_ranks(seconds_by_op: dict[str, float]) -> dict[str, float]:
 
 def _checkpointed_peaks(
     block: nn.Module, call: BlockCall, device: torch.device, policy: str | None
-) -> tuple[int, int, float]:
+) -> tuple[int, int]:
     """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
     segment: its forward's peak above its input, and its backward's peak (the recomputation
-    included) above what exists when that starts; and the seconds of it all from its fresh
-    input on (what ``_checkpointed_step`` times).
+    included) above what exists when that starts.
 
     Measured rather than derived: what the recomputation holds and frees early (kept outputs
     backward does not save, under a policy) depends on the block's code, and a checkpointed
@@ -247,7 +232,6 @@ def _checkpointed_peaks(
     with MemoryMeter(device, block, *tensors_in(call.leaves)) as memory, _planned_alone(
         block, policy
     ):
-        began = clock.now()
         args, kwargs, _ = call.fresh()
         start = memory.current()
         memory.reset_peak()
@@ -258,11 +242,10 @@ def _checkpointed_peaks(
         memory.reset_peak()
         output.backward(gradient)
         backward_peak = memory.peak() - start
-        seconds = clock.now() - began
         del args, kwargs
     del output, gradient
     block.zero_grad(set_to_none=True)
-    return forward_peak, backward_peak, seconds
+    return forward_peak, backward_peak
 
 
 def _checkpointed_step(
@@ -276,10 +259,6 @@ def _checkpointed_step(
         with _planned_alone(block, policy):
             out = _block_output(block(*args, **kwargs))
             out.backward(torch.ones_like(out))
-        # The next run starts without gradients, as a step does: backward into gradients left
-        # by the run before added them in, an addition no step makes (on an 8B layer, 0.4 ms
-        # of the modeled recomputation).
-        block.zero_grad(set_to_none=True)
 
     return forward_and_backward
 

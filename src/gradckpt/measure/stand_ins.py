@@ -20,8 +20,8 @@ are then put together as the whole chain has them, exactly:
    kept block, and their backwards after its backward: each adds its forward's bytes and
    seconds from there on, and its backward's after that. A phase's peak is the most of the
    kept step's stretches in it (shifted by what the middles before them add) and of the added
-   middles' peaks, worked out in closed form (``splice``). Seconds are exact sums
-   (``clock.Seconds``), so the step's time is the full trace's to the last bit.
+   middles' peaks, worked out in closed form (``splice``). Seconds add up exactly
+   (``clock.Seconds``): the step's time is the sum of the same operations' times.
 
 Each block standing in is measured on its own as the last kept block (``computes_alike``): its
 call in the step (recorded as it stood in) has the same shapes, side inputs and settings

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..measure import clock
 from ..measure.clock import Seconds
-from ..measure.tensors import returns_tensor, tensor_bytes
+from ..measure.tensors import tensor_bytes
 
 __all__ = ["ModeledClock", "Roofline"]
 
@@ -77,6 +77,8 @@ class ModeledClock(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
+        if clock.bookkeeping():  # a meter asking about a tensor, not the step's own work
+            return output
         facts = _FACTS.get(func)
         if facts is None:
             facts = _FACTS[func] = _facts_of(func)
@@ -113,12 +115,8 @@ _FACTS: dict[Any, tuple[str | None, bool, Any]] = {}
 
 def _facts_of(func: Any) -> tuple[str | None, bool, Any]:
     name = func.overloadpacket.__name__
-    # An operation returning no tensor (``prim.device``) only asks about one: no kernel to
-    # time. Fake tensors ask those questions from C++ as their caches miss or hit (463 times
-    # in a Llama layer's forward and backward), and timing each as a read of the tensor made a
-    # third of a block's modeled forward, and a different third at different moments.
     return ("attention" in name and name or None,
-            func.is_view or func.overloadpacket in _FREE or not returns_tensor(func),
+            func.is_view or func.overloadpacket in _FREE,
             flop_registry.get(func.overloadpacket))
 
 
