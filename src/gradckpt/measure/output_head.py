@@ -92,6 +92,7 @@ def measure_chunked_head(
     repeats: int,
     expect: Callable[[int], None] = lambda more_steps: None,
     plain: PlainHead | None = None,
+    previous_step: Callable[[], torch.Tensor] | None = None,
 ) -> list[HeadMeasurement] | str:
     """Measure the step ``step`` runs with ``head`` in chunks (see the module), for each of
     ``chunk_counts``, or say why it cannot be offered. ``step()`` runs one training step and
@@ -104,7 +105,8 @@ def measure_chunked_head(
     tensors there is no loss to check, every run is timed alike, and AUTO's chunk count
     follows from the head's input: the head's times are read in the metered steps, against
     the plain one's, and the steps run are the metered ones and the chunked step before the
-    first (the last runs as AUTO, and must have taken the count worked out)."""
+    first (the last runs as AUTO, and must have taken the count worked out). That step's
+    output alone counts: it runs as ``previous_step`` (``step`` where None)."""
     name, module = head
     if plain is not None:
         most = plain.auto_chunks(module)
@@ -112,7 +114,7 @@ def measure_chunked_head(
             return "the sample has too few tokens to cut the head's loss into chunks"
         counts = chunk_counts(most)
         with head_chunks_forced(module, counts[0]):
-            step()  # the chunked step the first metered one follows, as in a loop
+            (previous_step or step)()  # the chunked step the first metered one follows
     else:
         # Copies: the loss itself is the output's, which the next step must find unreferenced.
         with buffers_and_rng_preserved(model):

@@ -268,9 +268,17 @@ def _measured(
                 nonlocal steps
                 steps += more_steps
 
+            def previous_step() -> torch.Tensor:
+                # Its output alone counts: the first block's forward is enough, where the
+                # loss then still needs a gradient (its output does).
+                first_output = calls[1].leaves[calls[1].hidden] if len(calls) > 1 else None
+                with (stand_ins.first_alone() if stand_ins is not None and first_output
+                      is not None and first_output.requires_grad else contextlib.nullcontext()):
+                    return step()
+
             head = measure_chunked_head(
                 model, head, step, output_bytes, metered, modules[-1], device, repeats, expect,
-                plain)
+                plain, previous_step)
         whole_steps.close()
         out.output = None
         optimizer_step = measure_optimizer_step(

@@ -119,6 +119,24 @@ class StandIns:
             for restore in restores:
                 restore()
 
+    @contextlib.contextmanager
+    def first_alone(self) -> Iterator[None]:
+        """Inside ``in_place``: the kept blocks after the first stand in too, for a step run
+        for its output alone (the loop's ``out`` before a metered step), where only the
+        output's shapes count: the same as with every kept block, whose output has the hidden
+        state's shape. The caller makes sure the first block's output needs a gradient (a
+        frozen chain would leave the loss with none)."""
+
+        def hidden_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return first_tensor((args, kwargs))
+
+        restores = [replace_forward(block, hidden_state) for block in self.blocks[1:self.kept]]
+        try:
+            yield
+        finally:
+            for restore in restores:
+                restore()
+
     def step_memory(self, device: torch.device) -> StepMemory:
         """A ``StepMemory`` of the chain that marks the kept blocks (``splice`` reads it)."""
         return StepMemory(self.blocks[0], self.blocks[-1], device, marked=self.blocks[:self.kept])
