@@ -16,6 +16,7 @@ import io
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,16 @@ def test_the_measurement_counts_the_dequantised_weight_and_the_quantisation_stat
 def test_a_planned_qlora_loop_fits_its_budget_and_trains_bit_for_bit():
     """enable() on a real 4-bit base with LoRA; four AdamW steps as a fine-tuning script runs
     them; steps 2-4 metered (with the quantisation state counted) against the plain run."""
+    assert_a_planned_loop_fits_and_trains_bit_for_bit(lambda: qlora("llama", meta=False))
+
+
+def assert_a_planned_loop_fits_and_trains_bit_for_bit(build: Callable[[], nn.Module]) -> None:
+    """``build()``'s model trained four AdamW steps, plain and under ``enable`` at 70%: steps 2-4
+    metered (with what gradckpt counts of a quantised layer), within the budget + 3% and 3% of
+    the prediction, and the parameters and gradients after identical."""
 
     def run(planned: bool) -> tuple[int, dict, dict, gradckpt.Plan | None]:
-        model = qlora("llama", meta=False)
+        model = build()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
         plan = None
         if planned:
@@ -188,17 +196,25 @@ class _ForeignQuantLinear(nn.Linear):
 _ForeignQuantLinear.__module__ = "auto_gptq.nn_modules.qlinear"
 
 
-@pytest.mark.parametrize("quantizer", ["gptq", "bnb-8bit"])
+@pytest.mark.parametrize("quantizer", ["gptq", "bnb-8bit-fp16-weights"])
 def test_a_quantiser_gradckpt_does_not_model_is_named_and_the_model_left_alone(quantizer):
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     if quantizer == "gptq":
         model[1] = _ForeignQuantLinear(8, 8)
         name = "GPTQ"
-    else:
-        model[1] = bnb.nn.Linear8bitLt(8, 8, has_fp16_weights=False)
-        name = "bitsandbytes 8-bit"
+    else:  # bitsandbytes' default: training the fp16 weights, quantised again every forward
+        model[1] = bnb.nn.Linear8bitLt(8, 8, has_fp16_weights=True)
+        name = "bitsandbytes 8-bit training fp16 weights"
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(UsageError, match=name) as raised:
         gradckpt.estimate(model, torch.randn(2, 8))
-    assert "bitsandbytes 4-bit" in str(raised.value)
+    assert "bitsandbytes 4-bit" in str(raised.value) and "load_in_8bit" in str(raised.value)
     assert set(model.state_dict()) == set(before)
+
+
+def test_bitsandbytes_8bit_layers_as_load_in_8bit_makes_them_are_supported():
+    """Frozen int8 weights (``load_in_8bit=True``): ``test_integrations_quantized_8bit.py``."""
+    from gradckpt.integrations.quantized import unsupported_quantizer
+
+    model = nn.Sequential(nn.Linear(8, 8), bnb.nn.Linear8bitLt(8, 8, has_fp16_weights=False))
+    assert unsupported_quantizer(model) is None

@@ -6,5 +6,5 @@ register (``gradckpt.ecosystem_hooks``); ``gradckpt`` imports this package to re
 """
 
 # Each registers its ecosystem hook: caches off while gradckpt works; a causal LM's loss in
-# chunks when the plan says so; bitsandbytes 4-bit layers counted and run as they train.
-from . import hf, hf_head, quantized  # noqa: F401
+# chunks when the plan says so; bitsandbytes 4-bit and 8-bit layers counted and run as they train.
+from . import hf, hf_head, quantized, quantized_8bit  # noqa: F401

@@ -23,8 +23,9 @@ model (the ecosystem hook, ``gradckpt.ecosystem_hooks``):
 
 ``quantize_linear_layers`` turns a model's linear layers into ``Linear4bit``, real (CPU) or on
 meta, as ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))``
-does. A quantiser gradckpt does not model (GPTQ, AWQ, HQQ, torchao, quanto, bitsandbytes'
-8-bit layers) is a ``UsageError`` naming it.
+does. bitsandbytes' 8-bit layers are ``quantized_8bit``'s, with the helpers here. A quantiser
+gradckpt does not model (GPTQ, AWQ, HQQ, torchao, quanto, bitsandbytes 8-bit layers that train
+their fp16 weights) is a ``UsageError`` naming it.
 
 Example:
     >>> import torch
@@ -70,8 +71,9 @@ def unsupported_quantizer(model: nn.Module) -> str | None:
         package = type(module).__module__.split(".")[0]
         if package in _UNSUPPORTED_QUANTIZERS:
             return f"{_UNSUPPORTED_QUANTIZERS[package]} ({type(module).__name__})"
-        if package == "bitsandbytes" and _is_8bit(module):
-            return f"bitsandbytes 8-bit ({type(module).__name__})"
+        if package == "bitsandbytes" and is_8bit(module) and module.state.has_fp16_weights:
+            return f"bitsandbytes 8-bit training fp16 weights ({type(module).__name__}, " \
+                "has_fp16_weights=True)"
     return None
 
 
@@ -91,25 +93,23 @@ def adapt_quantized_layers(model: nn.Module, occasion: Occasion) -> Callable[[],
     if not occasion.plan_applied and (name := unsupported_quantizer(model)) is not None:
         raise UsageError(
             f"{type(model).__name__} has layers quantised by {name}, which gradckpt cannot "
-            "measure or estimate yet: it knows bitsandbytes 4-bit (QLoRA: load_in_4bit=True). "
-            "Plan the model unquantised in the same dtype as an upper bound, or quantise it "
-            "with bitsandbytes 4-bit"
+            "measure or estimate yet: it knows bitsandbytes 4-bit (QLoRA: load_in_4bit=True) "
+            "and 8-bit with frozen weights (load_in_8bit=True). Plan the model unquantised in "
+            "the same dtype as an upper bound, or quantise it with bitsandbytes"
         )
     layers = [m for m in model.modules() if _is_4bit(m)]
     if not layers:
         return None
-    undos: list[Callable[[], None]] = []
-    try:
+
+    def adapt(undos: list[Callable[[], None]]) -> None:
         for layer in layers:
             if occasion.fake_tensors and not _is_quantized(layer):
                 undos.append(_hold_quantized_sizes(layer))
             if not occasion.plan_applied:
                 undos.append(_state_as_buffers(layer))
             undos.append(_forward_as_separate_operations(layer))
-    except BaseException:
-        _undo_all(undos)
-        raise
-    return lambda: _undo_all(undos)
+
+    return all_or_none(adapt)
 
 
 def quantize_linear_layers(
@@ -136,13 +136,7 @@ def quantize_linear_layers(
 
     if quant_type not in ("nf4", "fp4"):
         raise UsageError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and name not in skip
-    ]
-    for parent, name, linear in targets:
+    for parent, name, linear in linear_children(model, skip):
         device = linear.weight.device
         layer = bnb.nn.Linear4bit(
             linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -172,7 +166,7 @@ def _is_4bit(module: nn.Module) -> bool:
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
 
-def _is_8bit(module: nn.Module) -> bool:
+def is_8bit(module: nn.Module) -> bool:
     bnb = sys.modules.get("bitsandbytes")
     return bnb is not None and isinstance(module, bnb.nn.Linear8bitLt)
 
@@ -185,9 +179,64 @@ def _has_foreign_quantizer(model: nn.Module) -> bool:
     return any(name in sys.modules for name in _UNSUPPORTED_QUANTIZERS)
 
 
+def linear_children(model: nn.Module, skip: tuple[str, ...]) -> list[tuple[nn.Module, str,
+                                                                            nn.Linear]]:
+    """``(parent, name, layer)`` for each plain ``nn.Linear`` in ``model`` not named in
+    ``skip``: the layers a bitsandbytes config quantises."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and name not in skip
+    ]
+
+
+# --- changes made for the duration, and undone -------------------------------------------------
+
+
+def all_or_none(adapt: Callable[[list[Callable[[], None]]], None]) -> Callable[[], None]:
+    """Run ``adapt(undos)``, which appends an undo for each change it makes; if it fails, undo
+    what it did and raise. Returns what undoes them all, the last first."""
+    undos: list[Callable[[], None]] = []
+    try:
+        adapt(undos)
+    except BaseException:
+        _undo_all(undos)
+        raise
+    return lambda: _undo_all(undos)
+
+
 def _undo_all(undos: list[Callable[[], None]]) -> None:
     for undo in reversed(undos):
         undo()
+
+
+def replace_forward(layer: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
+    """``layer.forward`` is ``forward`` until the returned function is called; a layer whose
+    forward is replaced already (gradckpt holds the model twice: nested) is left as it is."""
+    if "forward" in layer.__dict__:
+        return lambda: None
+    layer.forward = forward
+
+    def restore() -> None:
+        if layer.__dict__.get("forward") is forward:
+            del layer.forward
+
+    return restore
+
+
+def as_bits(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """An fp32 tensor as its bits (an int32 view of the same memory), to register as a buffer:
+    ``estimate``'s ``dtype=`` casts floating buffers as ``model.to(dtype)`` does, and
+    ``model.to(dtype)`` leaves quantisation state that is no buffer as it is."""
+    return tensor.view(torch.int32) if tensor is not None and tensor.dtype == torch.float32 \
+        else tensor
+
+
+def from_bits(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``as_bits`` undone: an int32 buffer as the fp32 tensor it holds."""
+    return tensor.view(torch.float32) if tensor is not None and tensor.dtype == torch.int32 \
+        else tensor
 
 
 # --- 1. the forward as the operations it runs ------------------------------------------------
@@ -244,8 +293,6 @@ def _block_scales(quant_state: Any) -> torch.Tensor:
 def _forward_as_separate_operations(layer: nn.Module) -> Callable[[], None]:
     """``layer.forward`` replaced, for the duration, by ``Linear4bit.forward``'s training path
     with ``_DequantizeThenMatmul`` in place of ``bnb.matmul_4bit``."""
-    if "forward" in layer.__dict__:  # already (gradckpt holds the model twice: nested)
-        return lambda: None
     matmul = _dequantize_then_matmul_class()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -260,13 +307,7 @@ def _forward_as_separate_operations(layer: nn.Module) -> Callable[[], None]:
             bias = bias.to(x.dtype)
         return matmul.apply(x, layer.weight, None, bias, _quant_state(layer)).to(input_dtype)
 
-    layer.forward = forward
-
-    def restore() -> None:
-        if layer.__dict__.get("forward") is forward:
-            del layer.forward
-
-    return restore
+    return replace_forward(layer, forward)
 
 
 def _quant_state(layer: nn.Module) -> Any:
@@ -278,9 +319,7 @@ def _quant_state(layer: nn.Module) -> Any:
     from bitsandbytes.functional import QuantState
 
     def buffer(name: str) -> torch.Tensor | None:
-        tensor = buffers.get(f"gradckpt_{name}")
-        return tensor.view(torch.float32) if tensor is not None and tensor.dtype == torch.int32 \
-            else tensor
+        return from_bits(buffers.get(f"gradckpt_{name}"))
 
     spec = layer.gradckpt_quant_spec
     state2 = None
@@ -309,13 +348,8 @@ def _state_as_buffers(layer: nn.Module) -> Callable[[], None]:
         "nested_absmax": nested.absmax if nested is not None else None,
         "nested_code": nested.code if nested is not None else None,
     }
-    # Floating ones as their bits (int32 views of the same memory): estimate's dtype= casts
-    # floating buffers as model.to(dtype) does, and model.to(dtype) leaves a QuantState as is.
-    for name in _STATE_BUFFERS:
-        tensor = tensors[name]
-        if tensor is not None and tensor.dtype == torch.float32:
-            tensor = tensor.view(torch.int32)
-        layer.register_buffer(f"gradckpt_{name}", tensor, persistent=False)
+    for name in _STATE_BUFFERS:  # floating ones as their bits
+        layer.register_buffer(f"gradckpt_{name}", as_bits(tensors[name]), persistent=False)
     layer.gradckpt_quant_spec = {
         "shape": state.shape, "blocksize": state.blocksize, "quant_type": state.quant_type,
         "dtype": state.dtype,
@@ -374,11 +408,17 @@ def _hold_quantized_sizes(layer: nn.Module) -> Callable[[], None]:
         )
     packed.quant_state = state
     packed.bnb_quantized = True
-    layer._parameters["weight"] = packed
+    return replace_weight(layer, packed)
+
+
+def replace_weight(layer: nn.Module, weight: nn.Parameter) -> Callable[[], None]:
+    """``layer.weight`` is ``weight`` until the returned function puts the one before back."""
+    before = layer.weight
+    layer._parameters["weight"] = weight
 
     def restore() -> None:
-        if layer._parameters.get("weight") is packed:
-            layer._parameters["weight"] = weight
+        if layer._parameters.get("weight") is weight:
+            layer._parameters["weight"] = before
 
     return restore
 
