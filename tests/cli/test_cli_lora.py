@@ -88,36 +88,44 @@ def test_an_unknown_target_module_lists_the_linear_layers(config, capsys):
     assert "or pass --lora-targets all-linear" in line
 
 
-# --- --qlora: a 4-bit base (issue 26, items 1 and 2) --------------------------------------------
+# --- --qlora and --8bit: a 4-bit or an 8-bit base (issue 26, items 1 and 2) ------------------
+
+BASES = {
+    "--qlora": (4, "on a 4-bit NF4 base (double quantisation, computing in bf16)"),
+    "--8bit": (8, "on an 8-bit base (LLM.int8(), outlier threshold 6.0)"),
+}
 
 
-def test_a_qlora_estimate_holds_the_base_in_4_bits_under_fp32_adapters(config, tmp_path, capsys):
+@pytest.mark.parametrize("flag", sorted(BASES))
+def test_a_quantised_estimate_holds_the_base_in_its_bits_under_fp32_adapters(
+        config, flag, tmp_path, capsys):
     pytest.importorskip("bitsandbytes")
+    bits, phrase = BASES[flag]
     arguments = ["plan", str(config), "--estimate", "--device", "h100-80gb", "--batch", "2",
                  "--seq", "32", "--strategy", "sqrt", "--optimizer", "adamw"]
     _, lora = _plan_json([*arguments, "--lora", "8"], tmp_path / "lora.json", capsys)
-    out, qlora = _plan_json([*arguments, "--qlora", "--lora", "8"], tmp_path / "q.json", capsys)
+    out, quantised = _plan_json([*arguments, flag, "--lora", "8"], tmp_path / "q.json", capsys)
 
-    assert ("+ LoRA r=8 on all-linear (" in out
-            and "on a 4-bit NF4 base (double quantisation, computing in bf16)" in out)
-    parts, lora_parts = qlora["memory_parts"], lora["memory_parts"]
+    assert "+ LoRA r=8 on all-linear (" in out and phrase in out
+    parts, lora_parts = quantised["memory_parts"], lora["memory_parts"]
     # The same adapters, in fp32 (PEFT upcasts them), with their gradients and AdamW's state.
     assert parts[GRADIENTS] == lora_parts[GRADIENTS]
     # The config names no dtype, so the base is fp32; its linear layers (two layers of q, o
-    # 32x32; k, v 32x16; gate, up, down 32x64) held in 4 bits, half a byte a weight. (Their
-    # scales are buffers, in "the rest".)
+    # 32x32; k, v 32x16; gate, up, down 32x64) held in 4 bits (half a byte a weight) or 8.
+    # (Their scales are buffers, in "the rest".)
     linear_weights = 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64)
-    fp32_bytes, four_bit_bytes = linear_weights * 4, linear_weights // 2
-    assert lora_parts["parameters"] - parts["parameters"] == fp32_bytes - four_bit_bytes
+    fp32_bytes, quantised_bytes = linear_weights * 4, linear_weights * bits // 8
+    assert lora_parts["parameters"] - parts["parameters"] == fp32_bytes - quantised_bytes
 
 
-def test_qlora_alone_gets_adapters_of_rank_16(config, capsys):
+@pytest.mark.parametrize("flag", sorted(BASES))
+def test_a_quantised_base_alone_gets_adapters_of_rank_16(config, flag, capsys):
     pytest.importorskip("bitsandbytes")
     assert main(["plan", str(config), "--estimate", "--device", "rtx4090", "--batch", "1",
-                 "--seq", "16", "--strategy", "none", "--qlora"]) == 0
+                 "--seq", "16", "--strategy", "none", flag]) == 0
     out = capsys.readouterr().out
     assert out.startswith("fits: predicted peak ")
-    assert "+ LoRA r=16 on all-linear (" in out and "4-bit NF4 base" in out
+    assert "+ LoRA r=16 on all-linear (" in out and BASES[flag][1] in out
 
 
 def test_a_measured_qlora_plan_runs_the_real_4bit_layers(config, capsys):
@@ -129,9 +137,18 @@ def test_a_measured_qlora_plan_runs_the_real_4bit_layers(config, capsys):
     assert "strategy optimal within " in out
 
 
-def test_qlora_without_bitsandbytes_says_how_to_install_it(config, capsys, monkeypatch):
+@pytest.mark.parametrize(("flag", "layers"), [("--qlora", "4-bit"), ("--8bit", "8-bit")])
+def test_a_quantised_base_without_bitsandbytes_says_how_to_install_it(
+        config, flag, layers, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)  # import fails
-    assert main(["plan", str(config), "--estimate", "--strategy", "sqrt", "--qlora"]) == 2
+    assert main(["plan", str(config), "--estimate", "--strategy", "sqrt", flag]) == 2
     lines = error_lines(capsys.readouterr().err)
-    assert len(lines) == 1 and "--qlora needs bitsandbytes" in lines[0], lines
+    assert len(lines) == 1 and f"{flag} needs bitsandbytes for its {layers} layers" in lines[0]
     assert "pip install bitsandbytes" in lines[0]
+
+
+def test_qlora_and_8bit_together_are_one_usage_error(config, capsys):
+    assert main(["plan", str(config), "--estimate", "--strategy", "sqrt", "--qlora",
+                 "--8bit"]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "--qlora and --8bit both quantise the base" in lines[0], lines

@@ -1,5 +1,5 @@
-"""``--lora R`` and ``--qlora``: plan fine-tuning with adapters on a frozen base, as users
-fine-tune.
+"""``--lora R``, ``--qlora`` and ``--8bit``: plan fine-tuning with adapters on a frozen base, as
+users fine-tune.
 
 The model ``gradckpt plan`` built (measured, or on the meta device for ``--estimate``) is
 wrapped with PEFT's LoRA before it is profiled: the base's parameters frozen, adapters of rank R
@@ -12,6 +12,9 @@ and the adapters are in PEFT's own (fp32: ``get_peft_model`` upcasts 16-bit adap
 step is not cast again afterwards (``trained_dtype`` is then ``None``). ``--qlora`` is the QLoRA
 recipe: the base's linear layers in bitsandbytes 4-bit (NF4, double quantisation, computing in
 the 16-bit trained dtype, bf16 by default), under LoRA adapters (rank 16 unless ``--lora R``).
+``--8bit`` is LoRA on an 8-bit base: the base's linear layers in bitsandbytes 8-bit as
+``load_in_8bit=True`` loads them (LLM.int8(), outlier threshold 6.0, computing in the trained
+dtype), under the same adapters.
 """
 
 from __future__ import annotations
@@ -37,13 +40,13 @@ __all__ = [
 # PEFT's name for every linear layer but the output head: the QLoRA paper's recipe, and what
 # fine-tuning scripts now default to.
 DEFAULT_TARGETS = "all-linear"
-# --qlora without --lora R: the QLoRA paper's and most fine-tuning scripts' adapter rank.
+# --qlora or --8bit without --lora R: the QLoRA paper's and most fine-tuning scripts' adapter rank.
 DEFAULT_QLORA_RANK = 16
 
 
 def check_lora_arguments(args: argparse.Namespace) -> None:
-    """What can be wrong with ``--lora``, ``--lora-targets`` and ``--qlora`` before any slow
-    work.
+    """What can be wrong with ``--lora``, ``--lora-targets``, ``--qlora`` and ``--8bit``
+    before any slow work.
 
     Example:
         >>> arguments = argparse.Namespace(lora=None, lora_targets="q_proj")
@@ -52,34 +55,48 @@ def check_lora_arguments(args: argparse.Namespace) -> None:
         ...
         gradckpt.cli.errors.CommandLineError: --lora-targets names the modules that get ...
     """
-    qlora = getattr(args, "qlora", False)
-    if args.lora is None and not qlora:
+    base = _quantized_base(args)
+    if args.lora is None and base is None:
         if args.lora_targets is not None:
             raise CommandLineError(
                 "--lora-targets names the modules that get adapters: add --lora R (the "
                 "adapters' rank, e.g. --lora 16)"
             )
         return
-    flag = "--qlora" if qlora else "--lora"
+    if getattr(args, "qlora", False) and getattr(args, "eight_bit", False):
+        raise CommandLineError(
+            "--qlora and --8bit both quantise the base: --qlora for 4-bit (NF4), --8bit for "
+            "8-bit (LLM.int8()), not both"
+        )
+    flag = base or "--lora"
     try:
         import peft  # noqa: F401
     except ImportError:
         raise CommandLineError(
             f"{flag} needs PEFT: pip install 'gradckpt[hf]' (or pip install peft)"
         ) from None
-    if qlora:
+    if base is not None:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
+            bits = "4-bit" if base == "--qlora" else "8-bit"
             raise CommandLineError(
-                "--qlora needs bitsandbytes for its 4-bit layers: pip install bitsandbytes "
+                f"{base} needs bitsandbytes for its {bits} layers: pip install bitsandbytes "
                 "(after torch, which it depends on)"
             ) from None
 
 
+def _quantized_base(args: argparse.Namespace) -> str | None:
+    """The flag that quantises the base, if one is given: ``--qlora`` or ``--8bit``."""
+    if getattr(args, "qlora", False):
+        return "--qlora"
+    return "--8bit" if getattr(args, "eight_bit", False) else None
+
+
 def fine_tuned(target: PlanTarget, args: argparse.Namespace) -> PlanTarget:
     """``target`` as the command line trains it: with LoRA adapters when ``--lora`` is given,
-    on a 4-bit base with ``--qlora`` (its description saying so), else as it is.
+    on a 4-bit base with ``--qlora`` or an 8-bit one with ``--8bit`` (its description saying
+    so), else as it is.
 
     Example:
         >>> from gradckpt.cli.builtin_models import BUILTIN_MODELS
@@ -87,8 +104,8 @@ def fine_tuned(target: PlanTarget, args: argparse.Namespace) -> PlanTarget:
         >>> fine_tuned(target, argparse.Namespace(lora=None, lora_targets=None)) is target
         True
     """
-    qlora = getattr(args, "qlora", False)
-    if args.lora is None and not qlora:
+    quantized = _quantized_base(args)
+    if args.lora is None and quantized is None:
         return target
     import torch
 
@@ -96,12 +113,20 @@ def fine_tuned(target: PlanTarget, args: argparse.Namespace) -> PlanTarget:
     model = target.model.to(dtype) if dtype is not None else target.model
     rank = args.lora if args.lora is not None else DEFAULT_QLORA_RANK
     base = ""
-    if qlora:
+    if quantized == "--qlora":
         from gradckpt.integrations.quantized import quantize_linear_layers
 
         compute = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         quantize_linear_layers(model, compute_dtype=compute)
         base = f" on a 4-bit NF4 base (double quantisation, computing in {_short(compute)})"
+    elif quantized == "--8bit":
+        from gradckpt.integrations.quantized_8bit import (
+            DEFAULT_THRESHOLD,
+            quantize_linear_layers_8bit,
+        )
+
+        quantize_linear_layers_8bit(model)
+        base = f" on an 8-bit base (LLM.int8(), outlier threshold {DEFAULT_THRESHOLD})"
     model, phrase = with_lora(model, rank, args.lora_targets)
     return dataclasses.replace(
         target, model=model, description=f"{target.description} + {phrase}{base}",

@@ -334,6 +334,17 @@ def _step_parent() -> argparse.ArgumentParser:
         "it computes; needs the hf extra and bitsandbytes",
     )
     step.add_argument(
+        "--8bit",
+        dest="eight_bit",
+        action="store_true",
+        help="LoRA on an 8-bit base: the base's linear layers in bitsandbytes 8-bit (LLM.int8(), "
+        "as load_in_8bit=True loads them: outlier threshold 6.0, computing in the trained "
+        "dtype) under LoRA adapters (rank 16, or --lora R); counts the int8 weights, their "
+        "scales and what each layer makes while it computes on the target (on a GPU, an fp16 "
+        "copy of its input in int8 and an int32 product); not with --qlora; needs the hf extra "
+        "and bitsandbytes",
+    )
+    step.add_argument(
         "--device",
         help="where to profile: auto (default: cuda when there is one), cpu, cuda, cuda:1, ...; "
         "predicted (plan --estimate, fit), the target device the plan is for: a preset "
