@@ -38,9 +38,21 @@ def test_estimate_and_profile_agree_on_bytes(case) -> None:
         assert ours.checkpointed_backward_peak_bytes == theirs.checkpointed_backward_peak_bytes
     assert predicted.peak_bytes == measured.peak_bytes
     assert predicted.fixed_bytes == measured.fixed_bytes
-    # A plan solved from the estimate is predicted as the measured profile predicts it. The
-    # plans themselves may differ from those solved from the measured profile: their times
-    # are rooflines.
+    # Op-level choices measured by both agree to the byte. The menus themselves differ: each
+    # is chosen by the operations' time shares (rooflines against this CPU's clock), and a CPU
+    # convolution shows an aten.empty that its meta kernel does not.
+    def choice_bytes(choice) -> tuple[int, int, int]:
+        return choice.kept_bytes, choice.forward_peak_bytes, choice.backward_peak_bytes
+
+    for ours, theirs in zip(predicted.blocks, measured.blocks, strict=True):
+        measured_choices = {choice.policy: choice for choice in theirs.op_choices}
+        ours.op_choices = [choice for choice in ours.op_choices
+                           if choice.policy in measured_choices]
+        for choice in ours.op_choices:
+            assert choice_bytes(choice) == choice_bytes(measured_choices[choice.policy])
+    # A plan solved from the estimate (on those choices) is predicted as the measured profile
+    # predicts it. The plans may differ from those solved from the measured profile: their
+    # times are rooflines.
     plan = gradckpt.solve(predicted, int(0.7 * measured.peak_bytes))
     assert plan.predicted_peak_bytes == measured.fixed_bytes + simulate(
         as_planned(measured, plan), plan.segments)[0]
@@ -54,8 +66,12 @@ def test_estimate_and_profile_agree_on_bytes(case) -> None:
     if case.name in ("cnn", "lora"):
         assert predicted.notes["attention"].startswith("no fused attention kernel")
     assert predicted.step_seconds > 0
-    assert all(b.forward_seconds > 0 and b.backward_seconds > b.forward_seconds / 2
-               for b in predicted.blocks)
+    # Blocks that compute take time, their backward at least half their forward's; a block of
+    # views only (the CNN's Flatten) takes none on a roofline.
+    for block in predicted.blocks:
+        views_only = case.name == "cnn" and block.name == "5"
+        assert (block.forward_seconds == 0) == views_only, block.name
+        assert block.backward_seconds >= block.forward_seconds / 2, block.name
 
 
 def test_a_model_on_the_meta_device_is_estimated_in_bf16() -> None:

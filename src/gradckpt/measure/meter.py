@@ -186,6 +186,7 @@ def _mem_tracker_class(guarded: bool) -> type:
     from torch.distributed._tools.mem_tracker import DTensor, MemTracker, _MemRefType
 
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+    device_of = torch.ops.prim.device.default
 
     class _MemTracker(MemTracker):
         """MemTracker counting totals only.
@@ -216,6 +217,8 @@ def _mem_tracker_class(guarded: bool) -> type:
             # made per call) over the outputs, and peak statistics per module.
             if DTensor in types:  # DTensor's local operations come back here
                 return NotImplemented
+            if func is device_of:  # a fake tensor's ``.device``: no memory, not an operation
+                return func(*args, **(kwargs or {}))
             if func is wait_tensor and active_fake_mode():
                 result = args[0]  # as in eager, a wait returns its input (MemTracker's note)
             else:

@@ -140,7 +140,11 @@ def _tensors(values: Any) -> list[torch.Tensor]:
 
 
 # Operations that only make or describe tensors: an allocation, not a kernel worth timing.
+# ``prim.device`` is a fake tensor's answer to ``.device`` (the autograd engine asks it of
+# every gradient): a real tensor's is a field, read on the host. Timed as a read of the
+# tensor, it made Llama-3-8B's modeled step at 1k tokens 0.156 s, where its kernels take 0.072.
 _FREE = {
+    torch.ops.prim.device,
     torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
     torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten._local_scalar_dense,
     torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.sym_numel,
