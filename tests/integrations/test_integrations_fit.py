@@ -157,6 +157,27 @@ def test_lora_is_tried_on_a_copy_and_the_model_is_left_as_it_was():
                for name, p in model.named_parameters())
 
 
+@pytest.mark.parametrize(("base", "layer"), [("4-bit", "Linear4bit"), ("8-bit", "Linear8bitLt")])
+def test_the_step_as_it_is_may_train_adapters_on_a_quantised_base(base, layer):
+    """``adapters=`` with a quantised base: ``fit`` builds it on its meta copy as Transformers
+    loads it (``lora_adapters``), estimates it, and leaves the model as it was."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from gradckpt.integrations.fit import Adapters, lora_adapters
+
+    with torch.device("meta"):
+        wrapped = lora_adapters(mlp_chain(4, 64), Adapters(2, None, base), torch.bfloat16)
+    assert {type(m).__name__ for m in wrapped.modules()} >= {layer, "Linear"}
+    assert all(not p.requires_grad for n, p in wrapped.named_parameters() if "lora_" not in n)
+    model, sample = mlp_chain(4, 64), torch.randn(4, 8, 64)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    search = fit(model, sample, "auto", device="h100", optimizer="adamw", dtype=torch.bfloat16,
+                 adapters=Adapters(2, None, base), levers=["recompute"], count=1)
+    (option,) = search.options  # fits an H100 as it is
+    assert option.levers == () and option.configuration.adapters.base == base
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
 # --- an option, run for real ------------------------------------------------------------------
 
 

@@ -183,9 +183,10 @@ def lora_adapters(model: nn.Module, adapters: Adapters, dtype: torch.dtype | Non
                   ) -> nn.Module:
     """``model`` as fine-tuning scripts load it: cast to ``dtype`` (None: as it is), its linear
     layers in 4 bits for ``adapters.base == "4-bit"`` (``gradckpt.integrations.quantized``:
-    NF4, computing in ``dtype`` where it is 16-bit, else bf16), then LoRA adapters (PEFT,
-    ``lora_alpha`` twice the rank, in PEFT's dtype: fp32), as ``gradckpt plan --lora R
-    [--qlora]`` makes them. Changes ``model`` in place. The default ``fine_tune`` of ``fit``.
+    NF4, computing in ``dtype`` where it is 16-bit, else bf16) or 8 bits for ``"8-bit"``
+    (``quantized_8bit``: LLM.int8()), then LoRA adapters (PEFT, ``lora_alpha`` twice the rank,
+    in PEFT's dtype: fp32), as ``gradckpt plan --lora R [--qlora | --8bit]`` makes them.
+    Changes ``model`` in place. The default ``fine_tune`` of ``fit``.
 
     Example:
         >>> import torch
@@ -200,9 +201,9 @@ def lora_adapters(model: nn.Module, adapters: Adapters, dtype: torch.dtype | Non
         raise LeverSkipped("LoRA needs PEFT: pip install 'gradckpt[hf]'") from None
     if dtype is not None:
         model = model.to(dtype)
-    if adapters.base == "4-bit":
+    if adapters.base in ("4-bit", "8-bit"):
         sixteen_bit = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        model = _four_bit_base(model, sixteen_bit)
+        model = _quantized_base(model, adapters.base, sixteen_bit)
     elif adapters.base != "as-is":
         raise LeverSkipped(f"a {adapters.base} base is not built by lora_adapters")
     targets: str | list[str] = (
@@ -214,12 +215,17 @@ def lora_adapters(model: nn.Module, adapters: Adapters, dtype: torch.dtype | Non
     return peft.get_peft_model(model, config)
 
 
-def _four_bit_base(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
-    """``model``'s linear layers as bitsandbytes 4-bit ones (QLoRA's base)."""
-    from .quantized import quantize_linear_layers
-
+def _quantized_base(model: nn.Module, base: str, compute_dtype: torch.dtype) -> nn.Module:
+    """``model``'s linear layers as bitsandbytes 4-bit (QLoRA's base, computing in
+    ``compute_dtype``) or 8-bit (LLM.int8()) ones, as Transformers loads them."""
     try:
+        if base == "8-bit":
+            from .quantized_8bit import quantize_linear_layers_8bit
+
+            return quantize_linear_layers_8bit(model)
+        from .quantized import quantize_linear_layers
+
         return quantize_linear_layers(model, compute_dtype=compute_dtype)
     except ImportError as error:
-        raise LeverSkipped(f"a 4-bit base needs bitsandbytes ({error})") from None
+        raise LeverSkipped(f"a {base} base needs bitsandbytes ({error})") from None
 
