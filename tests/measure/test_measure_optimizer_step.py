@@ -1,6 +1,6 @@
-"""The optimizer's step measured on a replica: with parameters of one kind many times over
-(LoRA's adapters, one set per layer), the replica steps a fraction of them and scales. That
-must give exactly what the whole replica gives, on the loop's path and on foreach's."""
+"""The optimizer's step measured on a replica: on the ``foreach`` path each kind of parameter is
+stepped alone and the whole summed (a handful of kinds where Llama-3-8B has hundreds of
+parameters). That must give exactly what the whole replica gives."""
 
 from __future__ import annotations
 
@@ -12,64 +12,79 @@ from gradckpt.measure.optimizer_step import measure_optimizer_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# PyTorch's default path on CUDA (fake tensors: no GPU needed), and the loop over parameters.
+FOREACH, LOOP = "cuda", "cpu"
 
-def _lora_llama(layers: int = 4) -> torch.nn.Module:
+
+def _llama(layers: int = 3, lora: bool = False, dtype: torch.dtype = torch.float32):
     transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    if not lora:
+        return model
+    peft = pytest.importorskip("peft")
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
 
 
 def _whole_replica(monkeypatch: pytest.MonkeyPatch, *args):
     with monkeypatch.context() as patched:
-        patched.setattr(optimizer_step, "_fewer_alike", lambda groups, cls: (groups, 1))
+        patched.setattr(optimizer_step, "_kind_by_kind", lambda cls, groups: None)
         return measure_optimizer_step(*args)
 
 
-# The loop's path (CPU), and foreach's (PyTorch's default on CUDA: no GPU needed, fake tensors).
-PATHS = pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["loop", "foreach"])
+def _stepped_by_kind(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A list that says, for each measurement after this, whether it went kind by kind."""
+    used = []
+    original = optimizer_step._kind_by_kind
+
+    def spy(cls, groups):
+        found = original(cls, groups)
+        used.append(found is not None)
+        return found
+
+    monkeypatch.setattr(optimizer_step, "_kind_by_kind", spy)
+    return used
 
 
-@PATHS
-@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "radam", "adagrad"])
-def test_a_fraction_of_alike_parameters_scaled_is_the_whole_replica(
-        monkeypatch: pytest.MonkeyPatch, name: str, device: str) -> None:
-    model = _lora_llama()
-    cut = []
-    original = optimizer_step._fewer_alike
-
-    def spy(groups, cls):
-        fewer, times = original(groups, cls)
-        cut.append(times)
-        return fewer, times
-
-    monkeypatch.setattr(optimizer_step, "_fewer_alike", spy)
-    fewer = measure_optimizer_step(name, model, device)
-    assert cut == [4]  # 4 layers, each with the same adapters: a quarter stepped
-    assert fewer == _whole_replica(monkeypatch, name, model, device)
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "radam", "adagrad", "nadam"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_kind_by_kind_is_the_whole_replica(monkeypatch, name: str, lora: bool) -> None:
+    model = _llama(lora=lora, dtype=torch.bfloat16)
+    used = _stepped_by_kind(monkeypatch)
+    by_kind = measure_optimizer_step(name, model, FOREACH)
+    assert used == [True]
+    assert by_kind == _whole_replica(monkeypatch, name, model, FOREACH)
 
 
-@PATHS
-def test_groups_of_the_users_optimizer_are_cut_alike(
-        monkeypatch: pytest.MonkeyPatch, device: str) -> None:
-    model = _lora_llama()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # Decay on the A matrices only, and foreach forced on where PyTorch would loop.
-    groups = [{"params": [p for n, p in model.named_parameters() if "lora_A" in n]},
-              {"params": [p for n, p in model.named_parameters() if "lora_B" in n],
-               "weight_decay": 0.0}]
-    assert sum(len(g["params"]) for g in groups) == len(trainable)
-    for optimizer in (torch.optim.AdamW(groups, foreach=True), torch.optim.AdamW(groups)):
-        assert measure_optimizer_step(optimizer, model, device) == _whole_replica(
-            monkeypatch, optimizer, model, device)
+def test_the_users_groups_are_stepped_kind_by_kind_too(monkeypatch) -> None:
+    model = _llama(lora=True)
+    decay = [p for n, p in model.named_parameters() if "lora_A" in n]
+    no_decay = [p for n, p in model.named_parameters() if "lora_B" in n]
+    used = _stepped_by_kind(monkeypatch)
+    for optimizer in (torch.optim.AdamW([{"params": decay},
+                                         {"params": no_decay, "weight_decay": 0.0}]),
+                      torch.optim.AdamW(decay + no_decay, foreach=True, amsgrad=True)):
+        for device in (FOREACH, LOOP):
+            assert measure_optimizer_step(optimizer, model, device) == _whole_replica(
+                monkeypatch, optimizer, model, device)
+    # foreach=True is kept on the CPU too; the loop (PyTorch's choice there) is stepped whole.
+    assert used == [True, False, True, True]
 
 
-def test_parameters_of_no_common_count_are_stepped_whole(monkeypatch) -> None:
-    layer = torch.nn.Linear(100, 100)  # a weight and a bias: one of each kind
-    assert measure_optimizer_step("adamw", layer, "cuda") == _whole_replica(
-        monkeypatch, "adamw", layer, "cuda")
-    assert measure_optimizer_step("adamw", layer, "cuda").temporary_bytes == 40400
+def test_mixed_dtypes_and_the_loop_are_stepped_whole(monkeypatch) -> None:
+    model = _llama()
+    model.model.norm.to(torch.bfloat16)  # two dtypes in one group: foreach splits the list
+    used = _stepped_by_kind(monkeypatch)
+    assert measure_optimizer_step("adamw", model, FOREACH) == _whole_replica(
+        monkeypatch, "adamw", model, FOREACH)
+    measure_optimizer_step("adamw", model, LOOP)
+    assert used == [False, False]
+
+
+def test_a_linear_layers_step_is_its_weights_and_its_bias() -> None:
+    layer = torch.nn.Linear(100, 100)  # two kinds, one of each
+    assert measure_optimizer_step("adamw", layer, FOREACH).temporary_bytes == 40400
+    assert measure_optimizer_step("adamw", layer, LOOP).temporary_bytes == 80000
