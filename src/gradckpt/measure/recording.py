@@ -8,7 +8,9 @@ meters memory (``timing.py``, ``meter.py``), and leaves nothing installed on the
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine import AutocastSnapshot, continues_chain, detached_like, first_tensor, storage_key
-from ..errors import UsageError
+from ..errors import GradckptError, UsageError
+from . import clock
 from .step import OutputHolder, loss_of, run_model
 from .tensors import tensor_bytes, tensors_in
 
@@ -193,7 +196,8 @@ def record_block_calls(
         if parameter.requires_grad and parameter not in in_blocks
     ]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(saved_between, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(saved_between, lambda tensor: tensor), \
+                _said_to_be_the_samples(model):
             output = run_model(model, sample)
             loss = loss_of(output, loss_fn)
         recording.output_storages = {
@@ -203,7 +207,8 @@ def record_block_calls(
         if holder is not None:
             holder.output = output
         del output
-        loss.backward()
+        with _said_to_be_the_samples(model):
+            loss.backward()
     finally:
         for hook in hooks:
             hook.remove()
@@ -214,3 +219,25 @@ def record_block_calls(
             "blocks= with the blocks that run, in order"
         )
     return recording
+
+
+@contextlib.contextmanager
+def _said_to_be_the_samples(model: nn.Module) -> Iterator[None]:
+    """The first step gradckpt runs is the model's own, on the user's sample: an error the
+    model raises there (a shape it cannot take, labels that do not match) says so, the model's
+    own error chained. gradckpt's errors, and running out of memory, pass as they are."""
+    try:
+        yield
+    except (GradckptError, torch.OutOfMemoryError):
+        raise
+    except Exception as error:
+        where = " on fake tensors (estimate: shapes, no values)" if clock.modeled() else ""
+        raise UsageError(
+            f"gradckpt ran one training step of {type(model).__name__} on the sample given "
+            f"(its forward, the loss, backward){where}, and the model raised "
+            f"{type(error).__name__}: {str(error).rstrip('.')}. Check the sample: what the "
+            "model's forward takes (a dict of keyword arguments, a tuple of positional ones, "
+            "or one tensor), "
+            "with shapes and dtypes it accepts, and, for the loss, labels or loss_fn="
+        ) from error
+
