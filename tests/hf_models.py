@@ -16,6 +16,15 @@ def tiny_llama(layers: int, vocab_size: int = 128) -> nn.Module:
                                 max_position_embeddings=64).train()
 
 
+def with_lora(model: nn.Module, rank: int = 4) -> nn.Module:
+    """``model`` frozen under PEFT LoRA adapters of ``rank`` on every linear layer (skips the
+    test where PEFT is not installed)."""
+    import pytest
+
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules="all-linear"))
+
+
 def tiny_clip(vocab_size: int = 64) -> nn.Module:
     """A seeded CLIPModel: two towers, text created first, vision run first (2 layers each)."""
     torch.manual_seed(0)

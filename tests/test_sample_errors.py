@@ -7,25 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import tiny_llama, with_lora
 
 import gradckpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB, BATCH, SEQ = 64, 2, 16
+VOCAB, BATCH, SEQ = 64, 2, 48
 
 
 def _llama(lora: bool) -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    if lora:
-        peft = pytest.importorskip("peft")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
-    return model
+    model = tiny_llama(3, vocab_size=VOCAB)
+    return with_lora(model) if lora else model
 
 
 def _batch(labels_length: int = SEQ) -> dict[str, torch.Tensor]:
@@ -49,6 +42,7 @@ def _same(before: dict, after: dict) -> bool:
 
 
 def _train(model: torch.nn.Module, steps: int = 2) -> dict[str, torch.Tensor]:
+    torch.manual_seed(2)  # the same dropout for both models
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for _ in range(steps):
         out = model(**_batch())

@@ -89,3 +89,24 @@ def test_on_cuda_everything_on_the_device_counts() -> None:
     assert peak.device.type == "cuda"
     assert peak.start_bytes >= 4 * 1024 * 1024
     assert peak.bytes >= peak.start_bytes + 4 * 1024 * 1024  # the weight's gradient
+
+
+def test_a_hugging_face_output_holding_a_cache_is_tracked_through_it() -> None:
+    """A loop's ``out`` passed as it is: a Transformers output whose cache (no tensor, no
+    module) holds each layer's keys and values; MemTracker alone refuses it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, use_cache=True)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 16))
+    out = model(input_ids=ids, labels=ids)
+    cache = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    assert len(cache) == 4
+    with gradckpt.peak_memory(model, ids) as without_out:
+        pass
+    with gradckpt.peak_memory(model, ids, out) as with_out:
+        pass
+    logits = out.logits.untyped_storage().nbytes()
+    held = sum(t.untyped_storage().nbytes() for t in cache) + logits + 4  # and the loss
+    assert with_out.start_bytes - without_out.start_bytes == held

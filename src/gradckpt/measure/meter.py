@@ -59,7 +59,7 @@ class MemoryMeter:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"the memory meter supports cpu and cuda, not {self.device.type!r}")
-        self._tracked = [obj for obj in tracked if obj is not None]
+        self._tracked = trackable(tracked)
         self._tracker: Any = None
         self._highest = 0
         self._exited = False
@@ -123,6 +123,46 @@ class MemoryMeter:
             self._highest = now
         if self.trace is not None:
             self.trace.append(now)
+
+
+def trackable(objects: Any) -> list[Any]:
+    """What MemTracker can track among ``objects`` and what they hold: tensors, modules and
+    optimizers, found through lists, tuples, dicts and sets, and through the attributes of
+    anything else (a Hugging Face cache in a model's output: ``peak_memory(..., out)``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cache = SimpleNamespace(keys=[torch.ones(2)], length=1)
+        >>> [type(found).__name__ for found in trackable(({"cache": cache}, None, "text"))]
+        ['Tensor']
+    """
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if obj is None or id(obj) in seen or depth > _TRACKABLE_DEPTH:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (torch.Tensor, nn.Module, torch.optim.Optimizer)):
+            found.append(obj)
+            return
+        if isinstance(obj, (set, frozenset)):
+            obj = list(obj)
+        leaves, _ = tree_flatten(obj)
+        if len(leaves) != 1 or leaves[0] is not obj:  # a container: what it holds
+            for leaf in leaves:
+                visit(leaf, depth + 1)
+        elif not isinstance(obj, (str, bytes, int, float, bool, type)):
+            for value in getattr(obj, "__dict__", {}).values():
+                visit(value, depth + 1)
+
+    visit(objects, 0)
+    return found
+
+
+# How deep ``trackable`` looks into objects that are not containers (a cache's layers' tensors
+# are three levels down).
+_TRACKABLE_DEPTH = 6
 
 
 def measure_peak_bytes(
