@@ -24,6 +24,7 @@ from .ecosystem_hooks import Occasion, run_ecosystem_hooks
 from .engine import HeadChunking, SegmentsHandle, checkpoint_segments, chunk_head
 from .errors import UsageError
 from .measure import resolve_blocks
+from .measure.fingerprint import fingerprint_mismatch
 from .plan import Plan, Segment
 
 __all__ = ["apply", "disable", "get_plan", "replacing_plan"]
@@ -70,6 +71,14 @@ def apply(model: nn.Module, plan: Plan) -> None:
             f"this plan was made for another model: its blocks are not all in "
             f"{type(model).__name__} ({error})"
         ) from None
+    mismatch = fingerprint_mismatch(model, plan.block_names, plan.block_fingerprints,
+                                    plan.chain_lengths)
+    if mismatch is not None:
+        raise UsageError(
+            f"this plan was made for another model: {mismatch}. Its predictions (the peak, the "
+            f"budget it fits) are that model's; make a plan for this one: "
+            f"gradckpt.enable(model, sample, budget=...)"
+        )
     head = _planned_head(model, plan)
     flat = _flatten(plan.segments)
     for segment in flat:

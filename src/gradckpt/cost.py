@@ -55,6 +55,7 @@ Example:
 from __future__ import annotations
 
 from .errors import UsageError
+from .measure.fingerprint import BLOCK_FINGERPRINTS, CHAIN_LENGTHS
 from .op_choices import HOST_LINK, kept_by_policy, offload_offer, policy_cost
 from .plan import BlockBytes, Plan, Segment
 from .profile_types import Profile
@@ -91,6 +92,8 @@ def plan_for(
         predicted_extra_seconds=extra_seconds,
         predicted_overhead=extra_seconds / profile.step_seconds if profile.step_seconds else 0.0,
         block_names=[block.name for block in profile.blocks],
+        block_fingerprints=list(profile.notes.get(BLOCK_FINGERPRINTS, [])),
+        chain_lengths=dict(profile.notes.get(CHAIN_LENGTHS, {})),
         estimated_for=profile.notes.get("estimated_for"),
         head_name=profile.chunked_heads[0].name if profile.chunked_heads else None,
         head_chunks=head_chunks,

@@ -80,6 +80,10 @@ class Plan:
       empty for a plan made by hand.
     - ``offload``: whether offloading was offered to the solver, and over what host link, or
       why not (``gradckpt.op_choices.offload_offer``), in a sentence.
+    - ``block_fingerprints``, ``chain_lengths``: what the blocks held (their parameters) and how
+      many blocks their containers held, in the model the profile measured: ``apply`` refuses
+      a model whose blocks differ (``gradckpt.measure.fingerprint``); empty for a plan made
+      by hand.
     """
 
     strategy: str
@@ -96,6 +100,8 @@ class Plan:
     head_chunks: int = 1
     block_bytes: list[BlockBytes] = field(default_factory=list)
     offload: str = ""
+    block_fingerprints: list[str] = field(default_factory=list)
+    chain_lengths: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The plan as a JSON string (``Plan.from_json`` reads it back)."""

@@ -48,6 +48,7 @@ from ..profile_types import BlockProfile, ChunkedHead, Profile
 from . import clock
 from .chain import resolve_blocks
 from .device import infer_device
+from .fingerprint import BLOCK_FINGERPRINTS, CHAIN_LENGTHS, chain_fingerprint
 from .host_link import host_link_notes
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .one_block import measure_block
@@ -199,6 +200,9 @@ def _measured(
             named_blocks = [named_blocks[index] for index in recording.order]
             modules = [module for _, module in named_blocks]
         calls = [recording.calls[index] for index in recording.order]
+        # What the blocks hold as the plan will find them (a quantised base at its packed
+        # sizes), in run order: apply() tells a model the plan was not made for by it.
+        fingerprint = chain_fingerprint(model, [name for name, _ in named_blocks])
         chain_breaks = recording.chain_breaks()
 
         def step() -> torch.Tensor:
@@ -335,6 +339,7 @@ def _measured(
     accumulated = accumulated_gradient_bytes(model, accumulation_steps)
     plain = _steady_state(assembled, memory, optimizer_step, accumulated, model, sample,
                           keep_output)
+    plain.notes[BLOCK_FINGERPRINTS], plain.notes[CHAIN_LENGTHS] = fingerprint
     if modeled:
         plain.notes["blocks_traced_in_steps"] = (stand_ins.kept if stand_ins is not None
                                                  else len(modules))
