@@ -77,13 +77,14 @@ def _selective(policy: Callable, ctx: Any, op: Any, *args: Any, **kwargs: Any
 
 
 def lower_for_compile(
-    block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
+    block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None],
+    starting: Callable[[], None],
 ) -> Callable[[], None]:
     """Give ``block`` a forward that, while ``torch.compile`` traces it with gradients, runs
     as one ``torch.utils.checkpoint`` region under ``policy``, and otherwise is the block's
-    own forward (calling ``interrupted`` if that raises a ``KeyboardInterrupt``); return what
-    puts the block's forward back."""
-    return replace_forward(block, _CompiledForward(block, policy, interrupted))
+    own forward (calling ``starting`` first, and ``interrupted`` if either raises a
+    ``KeyboardInterrupt``); return what puts the block's forward back."""
+    return replace_forward(block, _CompiledForward(block, policy, interrupted, starting))
 
 
 class _CompiledForward:
@@ -95,13 +96,18 @@ class _CompiledForward:
     """
 
     def __init__(
-        self, block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None]
+        self, block: nn.Module, policy: PolicyLike, interrupted: Callable[[], None],
+        starting: Callable[[], None],
     ) -> None:
         self.block = block
         self.policy = policy
         self.interrupted = interrupted
+        self.starting = starting
         self.own = block.__dict__.get("forward")  # a forward set on the instance, if any
-        functools.update_wrapper(self, block.forward)  # its name, doc and signature
+        # Its name, doc and signature; not the wrapped one's __dict__ (updated=()): where that
+        # is another _CompiledForward (a block measured on its own while planned), it would
+        # overwrite ours with the other handle's callbacks and policy.
+        functools.update_wrapper(self, block.forward, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.own or functools.partial(type(self.block).forward, self.block)
@@ -110,6 +116,7 @@ class _CompiledForward:
                 return torch_checkpoint(forward, args, kwargs, self.policy)
             return forward(*args, **kwargs)
         try:
+            self.starting()  # the regions' hooks on (segments.py: Failure safety)
             return forward(*args, **kwargs)
         except Exception:
             raise  # the block's post-hook runs (always_call) and cleans up

@@ -24,11 +24,13 @@ exit pops the top, whoever pushed it; a region's hooks left on across the model'
 be popped by whatever scope of the caller ends first (a block run alone, a ``with`` around one
 block, an exception or ``KeyboardInterrupt`` between blocks), and every later step of the thread,
 on any model, would save its tensors into a dead region. So the hooks are on only within one
-block's call, where its post-hook (``always_call``, for exceptions) or its forward (for
-``KeyboardInterrupt``, which skips post-hooks) takes them off again. A segment whose blocks stop
-coming (an exception, a forward cut short, a block called on its own) is finished where it
-stopped: the next call that does not continue it drops it, and recomputation replays the blocks
-that ran. ``plans_suspended`` (suspension.py) makes the hooks stand aside.
+block's forward, which turns them on (a ``KeyboardInterrupt`` in a pre-hook after ours is
+followed by no forward and no post-hook), and where its post-hook (``always_call``, for
+exceptions) or its forward (for ``KeyboardInterrupt``, which skips post-hooks) takes them off
+again. A segment whose blocks stop coming (an exception, a forward cut short, a block called
+on its own) is finished where it stopped: the next call that does not continue it drops it, and
+recomputation replays the blocks that ran. ``plans_suspended`` (suspension.py) makes the hooks
+stand aside.
 """
 
 from __future__ import annotations
@@ -164,14 +166,25 @@ class _Frame:
         self.runs: dict[_Segment, _Run] = {}
 
 
+class _BlockCall:
+    """One call of a block inside a run: the hooks its pre-hook chose, entered once its forward
+    starts (``SegmentsHandle.enter_hooks``), exited by its post-hook."""
+
+    def __init__(self, index: int, hooks: list[contextlib.AbstractContextManager]) -> None:
+        self.index = index
+        self.hooks = hooks
+        self.started = False
+        self.entered = contextlib.ExitStack()
+
+
 class _ThreadState(threading.local):
     """A handle's state on one thread (recomputation runs on autograd's thread on CUDA):
-    its frames, innermost last, and per block call in progress whose hooks are on, the
-    block's index and the hooks entered (innermost call last)."""
+    its frames, innermost last, and the block calls in progress inside a run, innermost
+    last (``_BlockCall``: the hooks to turn on while the block's forward runs)."""
 
     def __init__(self) -> None:
         self.frames: list[_Frame] = [_Frame(None)]
-        self.entered: list[tuple[int, contextlib.ExitStack]] = []
+        self.entered: list[_BlockCall] = []
 
 
 class SegmentsHandle:
@@ -195,7 +208,8 @@ class SegmentsHandle:
         # torch.utils.checkpoint region of its own (compiled.py: what survives compilation).
         self.lowered = [
             lower_for_compile(block, _policy_of(index, segments),
-                               functools.partial(self.interrupted, index))
+                               functools.partial(self.interrupted, index),
+                               functools.partial(self.enter_hooks, index))
             for index, block in enumerate(self.blocks)
             if any(s.start <= index <= s.end for s in segments)
         ]
@@ -230,25 +244,51 @@ class SegmentsHandle:
         if not torch.is_grad_enabled() or compiling() or _standing_aside(self):
             return
         frame = self.local.frames[-1]
+        self.drop_calls_never_run()
         self.finish_runs_cut_short(frame, index)
-        entered = contextlib.ExitStack()
+        hooks: list[contextlib.AbstractContextManager] = []
         try:
             # Outer runs first: a tensor belongs to the innermost region (R1), whose hooks
-            # are on top; a segment opening here saves its inputs into the ones around it (R2).
-            for run in sorted(frame.runs.values(), key=lambda run: _nesting(run.segment)):
-                self.record_call(run, index, args, kwargs)
-                for hook in run.hooks:
-                    entered.enter_context(hook)
-            for segment in self.opening[index]:
-                if self.may_open(frame, segment):
-                    for hook in self.open(frame, segment, args, kwargs).hooks:
-                        entered.enter_context(hook)
+            # are on top; a segment opening here saves its inputs into the ones around it (R2),
+            # whose hooks are on only while it does.
+            with contextlib.ExitStack() as around_opening:
+                for run in sorted(frame.runs.values(), key=lambda run: _nesting(run.segment)):
+                    self.record_call(run, index, args, kwargs)
+                    hooks += run.hooks
+                on = 0
+                for segment in self.opening[index]:
+                    if self.may_open(frame, segment):
+                        for hook in hooks[on:]:
+                            around_opening.enter_context(hook)
+                        on = len(hooks)
+                        hooks += self.open(frame, segment, args, kwargs).hooks
         except BaseException:
-            entered.close()
             self.abort_runs(frame)
             raise
         if frame.runs:
-            self.local.entered.append((index, entered))
+            self.local.entered.append(_BlockCall(index, hooks))
+
+    def enter_hooks(self, index: int) -> None:
+        """Block ``index``'s forward starts: turn on the hooks its pre-hook chose.
+
+        Not in the pre-hook: a ``KeyboardInterrupt`` from a pre-hook registered after ours
+        (which torch follows with no post-hook and no forward) would leave them on torch's
+        stack, and every later step of the thread would save its tensors into a dead region.
+        From here on the forward's own ``except`` (``interrupted``) or the post-hook takes them
+        off again."""
+        calls = self.local.entered
+        if calls and calls[-1].index == index and not calls[-1].started:
+            call = calls[-1]
+            call.started = True
+            for hook in call.hooks:
+                call.entered.enter_context(hook)
+
+    def drop_calls_never_run(self) -> None:
+        """Forget the calls whose forward never started (a pre-hook after ours interrupted):
+        nothing of theirs is on, and their runs are finished like any cut short."""
+        calls = self.local.entered
+        while calls and not calls[-1].started:
+            calls.pop()
 
     def after_block(self, index: int, block: nn.Module, args: tuple, output: Any) -> None:
         if compiling():
@@ -280,9 +320,9 @@ class SegmentsHandle:
 
     def take_entered(self, index: int) -> contextlib.ExitStack | None:
         """The hooks the pre-hook of this call of block ``index`` entered, if it did."""
-        entered = self.local.entered
-        if entered and entered[-1][0] == index:
-            return entered.pop()[1]
+        calls = self.local.entered
+        if calls and calls[-1].index == index:
+            return calls.pop().entered
         return None
 
     # ---- opening, recording, closing ------------------------------------------------------
