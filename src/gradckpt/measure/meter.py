@@ -20,6 +20,7 @@ where MemTracker works).
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -223,7 +224,11 @@ def _mem_tracker(guarded: bool) -> Any:
 def _mem_tracker_class(guarded: bool) -> type:
     # Imported here: torch.distributed is not built into every torch wheel (e.g. some macOS ones).
     from torch._guards import active_fake_mode
-    from torch.distributed._tools.mem_tracker import DTensor, MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import DTensor, MemTracker, _MemRefType, _UpdateType
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
     device_of = torch.ops.prim.device.default
@@ -287,6 +292,42 @@ def _mem_tracker_class(guarded: bool) -> type:
         def _update_peak_stats(self, peak_state: Any) -> None:
             pass  # the meter keeps its own peak of the total
 
+        # Threads measure at once (two models planned in two threads): what MemTracker hooks
+        # process-wide counts for the tracker of the thread that runs it, and is put back
+        # whatever the order the threads' trackers exit in.
+
+        def _register_global_optimizer_hook(self) -> None:
+            # Another thread's optimizer.step() is not this thread's memory.
+            thread = threading.get_ident()
+
+            def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                if threading.get_ident() == thread:
+                    self._in_opt = True
+
+            def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                if threading.get_ident() == thread:
+                    self._track_optimizer_states(_MemRefType.OPT, optimizer)
+                    self._in_opt = False
+
+            self._optimizer_hook_handles = (
+                register_optimizer_step_pre_hook(before_step),
+                register_optimizer_step_post_hook(after_step),
+            )
+
+        def _track_resize(self) -> None:
+            _resizes.counted_by(self)
+
+        def _restore_resize(self) -> None:
+            _resizes.not_counted_by(self)
+
+        def resized(self, storage: torch.UntypedStorage) -> None:
+            """MemTracker's ``resize_`` patch, after the resize (see ``_Resizes``)."""
+            winfo, _ = self._WINFO.get(storage, (None, None))
+            if winfo is not None and winfo.size != storage.size():
+                old_mem_consumed = winfo.mem_consumed
+                winfo.update_mem_consumed(storage)
+                self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old_mem_consumed)
+
         def total_bytes(self, device: torch.device) -> int:
             """Bytes counted on ``device`` now (the snapshot's "Total", without copying it)."""
             matches = self._device_matches.setdefault(device, {})
@@ -300,6 +341,48 @@ def _mem_tracker_class(guarded: bool) -> type:
             return int(total)
 
     return _MemTracker
+
+
+class _Resizes(threading.local):
+    """``UntypedStorage.resize_``, which no dispatch mode sees, counted by the trackers entered
+    on the thread that resizes.
+
+    MemTracker patches ``resize_`` while it is entered and puts back what was there when it
+    was made. Two threads' trackers whose lifetimes overlap without nesting put back each
+    other's patch: one stayed installed for good, every later resize in the process counted
+    by a tracker long gone. Here one patch serves the process, on while any tracker is.
+    """
+
+    lock = threading.Lock()  # class attributes: shared by the threads
+    users = 0
+    real: Any = None
+
+    def __init__(self) -> None:
+        self.trackers: list[Any] = []  # this thread's, innermost last
+
+    def counted_by(self, tracker: Any) -> None:
+        with self.lock:
+            if _Resizes.users == 0:
+                _Resizes.real = torch.UntypedStorage.resize_
+                torch.UntypedStorage.resize_ = _counted_resize  # type: ignore[method-assign]
+            _Resizes.users += 1
+        self.trackers.append(tracker)
+
+    def not_counted_by(self, tracker: Any) -> None:
+        self.trackers.remove(tracker)
+        with self.lock:
+            _Resizes.users -= 1
+            if _Resizes.users == 0:
+                torch.UntypedStorage.resize_ = _Resizes.real  # type: ignore[method-assign]
+
+
+_resizes = _Resizes()
+
+
+def _counted_resize(storage: torch.UntypedStorage, size: int) -> None:
+    _Resizes.real(storage, size)
+    for tracker in _resizes.trackers:
+        tracker.resized(storage)
 
 
 class _FirstForwardTracker:
@@ -323,11 +406,15 @@ class _FirstForwardTracker:
         pass
 
     def _first_forward(self, module: nn.Module, args: Any) -> None:
+        # A global hook: the modules another thread runs meanwhile are not this step's.
+        if threading.get_ident() != self._thread:
+            return
         if module not in self._seen:
             self._seen.add(module)
             self._tracker._track_module_params_and_buffers(module, install_grad_hooks=True)
 
     def __enter__(self) -> _FirstForwardTracker:
+        self._thread = threading.get_ident()
         self._handle = nn.modules.module.register_module_forward_pre_hook(self._first_forward)
         return self
 
