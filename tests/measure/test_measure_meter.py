@@ -176,3 +176,22 @@ def test_frozen_bases_are_profiled_and_planned(build) -> None:
     assert abs(plan.predicted_peak_bytes - peak) <= 0.03 * peak
     assert grads.keys() == plain_grads.keys()
     assert all(torch.equal(grads[name], grad) for name, grad in plain_grads.items())
+
+
+def test_what_the_meter_tracks_is_let_go_as_soon_as_the_code_lets_go() -> None:
+    """A loop's previous output, tracked, is freed when the loop rebinds ``out``, not when the
+    garbage collector runs (a tracked object kept by a reference cycle counted 0.01% too much
+    on a CNN's step)."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    out = SimpleNamespace(logits=torch.ones(64), cache=[torch.ones(8)])
+    gone = weakref.ref(out.logits)
+    gc.disable()
+    try:
+        with MemoryMeter("cpu", torch.nn.Linear(2, 2), out):
+            out = None  # the loop's next step rebinds it
+            assert gone() is None
+    finally:
+        gc.enable()

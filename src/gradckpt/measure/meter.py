@@ -137,27 +137,27 @@ def trackable(objects: Any) -> list[Any]:
         >>> [type(found).__name__ for found in trackable(({"cache": cache}, None, "text"))]
         ['Tensor']
     """
+    # A loop over a stack, not a recursive closure: a closure that calls itself is a reference
+    # cycle holding what it found (a loop's previous output) until the garbage collector runs.
     found: list[Any] = []
     seen: set[int] = set()
-
-    def visit(obj: Any, depth: int) -> None:
+    stack: list[tuple[Any, int]] = [(objects, 0)]
+    while stack:
+        obj, depth = stack.pop()
         if obj is None or id(obj) in seen or depth > _TRACKABLE_DEPTH:
-            return
+            continue
         seen.add(id(obj))
         if isinstance(obj, (torch.Tensor, nn.Module, torch.optim.Optimizer)):
             found.append(obj)
-            return
+            continue
         if isinstance(obj, (set, frozenset)):
             obj = list(obj)
         leaves, _ = tree_flatten(obj)
         if len(leaves) != 1 or leaves[0] is not obj:  # a container: what it holds
-            for leaf in leaves:
-                visit(leaf, depth + 1)
+            stack += [(leaf, depth + 1) for leaf in reversed(leaves)]
         elif not isinstance(obj, (str, bytes, int, float, bool, type)):
-            for value in getattr(obj, "__dict__", {}).values():
-                visit(value, depth + 1)
-
-    visit(objects, 0)
+            stack += [(value, depth + 1)
+                      for value in reversed(list(getattr(obj, "__dict__", {}).values()))]
     return found
 
 
