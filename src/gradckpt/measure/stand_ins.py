@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..engine import first_tensor, storage_key
 from ..engine.module import replace_forward
+from ..errors import GradckptError
 from . import clock
 from .recording import BlockCall
 from .step_memory import StepMemory
@@ -66,7 +67,7 @@ KEPT = 4
 """Blocks that run in the steps: the first, two middles to compare, and the last."""
 
 
-class NotSpliceable(Exception):
+class NotSpliceable(GradckptError):
     """The kept step does not add up to the whole chain's (say why): trace every block."""
 
 

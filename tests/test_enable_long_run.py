@@ -11,6 +11,7 @@ import gc
 import pytest
 import torch
 from hf_models import tiny_llama, with_lora
+from torch._subclasses.fake_tensor import is_fake
 
 import gradckpt
 
@@ -37,9 +38,10 @@ def _batches() -> list[dict[str, torch.Tensor]]:
 def _live_tensors() -> tuple[int, int]:
     """How many tensors Python holds, and their storages' bytes (each storage once)."""
     gc.collect()
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-                if t.device.type != "meta"}
+    # With data: not the meta or fake tensors other tests in the process may leave behind.
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)
+               and o.device.type == "cpu" and not is_fake(o)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return len(tensors), sum(storages.values())
 
 
