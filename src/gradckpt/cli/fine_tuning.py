@@ -20,6 +20,7 @@ dtype), under the same adapters.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -182,8 +183,6 @@ def with_lora(model: nn.Module, rank: int, targets: str | None) -> tuple[nn.Modu
         else [name.strip() for name in chosen.split(",") if name.strip()]
     )
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules)
-    import contextlib
-
     import torch
 
     # On a base built on meta, the adapters are made there too: PEFT would initialise each on
