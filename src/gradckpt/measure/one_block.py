@@ -64,7 +64,9 @@ def measure_block(
     # them allocated, and a backward accumulating into them would not count the new ones (an
     # MLP weight's gradient was missing from the peak of a Llama layer's backward).
     block.zero_grad(set_to_none=True)
+    readings = _Readings()  # on a modeled clock, this pass's times are its forward's and step's
     args, kwargs, hidden = call.fresh()
+    readings.add("forward", readings.started)
     saved: dict[int, int] = {}  # storage -> bytes, each storage once
 
     def remember(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,9 +80,12 @@ def measure_block(
         # its forward's above its input; its backward's above what the forward saved and the
         # incoming gradient (it frees the saved tensors as it goes).
         start = memory.current()
+        began = clock.now()
         with torch.autograd.graph.saved_tensors_hooks(remember, lambda tensor: tensor):
             output = block(*args, **kwargs)
+        readings.add("forward", began)
         forward_peak = memory.peak() - start
+        began = clock.now()
         chain_output = _block_output(output)
         gradient = torch.ones_like(chain_output)
         output_key, output_bytes = storage_key(chain_output), tensor_bytes(chain_output)
@@ -93,6 +98,7 @@ def measure_block(
         start = memory.current()
         memory.reset_peak()
         torch.autograd.backward(edge, gradient)
+        readings.add("backward", began)
         backward_peak = memory.peak() - start
     input_saved = storage_key(hidden) in saved
     output_saved = output_key in saved
@@ -107,35 +113,30 @@ def measure_block(
                           same.backward_peak_bytes, like[1]):
             return replace(same, name=name), like[1], like[2]
 
-    def forward_only() -> Any:
-        a, k, _ = call.fresh()
-        return block(*a, **k)
-
-    def forward_and_backward() -> None:
-        out = _block_output(forward_only())
-        out.backward(torch.ones_like(out))
-
-    # Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats`` rounds:
-    # each time is kept as a multiple of the forward timed in the same round, moments apart (a
-    # shared machine's pace drifts by 10-20% over seconds), then put at the step's pace by the
-    # forward timed inside the step, where the step's own time was taken.
-    forward_times, backward, checkpointed, policy = interleaved_seconds(
-        [forward_only, forward_and_backward, _checkpointed_step(block, call, None),
-         _checkpointed_step(block, call, PLANNED_POLICY)],
-        repeats, device,
-    )
+    if clock.modeled():
+        # A modeled clock times the same operations alike: the passes that measure the peaks
+        # are timed as they run (each from no gradients, as a training step starts).
+        operations = operations_of(block, call, side_inputs)
+        (checkpointed_forward_peak, checkpointed_backward_peak), checkpointed_step = (
+            _checkpointed_peaks(block, call, device, policy=None))
+        (policy_forward_peak, policy_backward_peak), policy_step = _checkpointed_peaks(
+            block, call, device, policy=PLANNED_POLICY)
+        forward_alone = readings.seconds["forward"]
+        forward_times, backward, checkpointed, policy = (
+            [forward_alone], [readings.seconds["backward"]],
+            [checkpointed_step - forward_alone], [policy_step - forward_alone])
+    else:
+        forward_times, backward, checkpointed, policy = _timed_apart(block, call, repeats,
+                                                                     device)
+        block.zero_grad(set_to_none=True)
+        operations = operations_of(block, call, side_inputs)
+        (checkpointed_forward_peak, checkpointed_backward_peak), _ = _checkpointed_peaks(
+            block, call, device, policy=None)
+        (policy_forward_peak, policy_backward_peak), _ = _checkpointed_peaks(
+            block, call, device, policy=PLANNED_POLICY)
     forward_seconds = (statistics.median(forward_times) if forward_in_step is None
                        else forward_in_step)
-
     ratios = TimeRatios.of(forward_times, backward, checkpointed, policy)
-    block.zero_grad(set_to_none=True)
-    operations = operations_of(block, call, side_inputs)
-    checkpointed_forward_peak, checkpointed_backward_peak = _checkpointed_peaks(
-        block, call, device, policy=None
-    )
-    policy_forward_peak, policy_backward_peak = _checkpointed_peaks(
-        block, call, device, policy=PLANNED_POLICY
-    )
     block_profile = BlockProfile(
         name=name,
         input_bytes=tensor_bytes(hidden),
@@ -186,7 +187,7 @@ def _measured_op_choices(
     agreed = replace(measured, forward_seconds_by_op=by_op)
     for operations, kept_bytes, share in menu_of(agreed):
         policy = save_ops_policy_name(operations)
-        forward_peak, backward_peak = _checkpointed_peaks(block, call, device, policy=policy)
+        (forward_peak, backward_peak), _ = _checkpointed_peaks(block, call, device, policy=policy)
         choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak))
     return choices
 
@@ -216,12 +217,60 @@ def _agreed_across_ranks(seconds_by_op: dict[str, float]) -> dict[str, float]:
             for name in names}
 
 
+def _timed_apart(
+    block: nn.Module, call: BlockCall, repeats: int, device: torch.device
+) -> tuple[list[float], ...]:
+    """Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats`` rounds
+    (``interleaved_seconds``): each time is kept as a multiple of the forward timed in the same
+    round, moments apart (a shared machine's pace drifts by 10-20% over seconds), then put at
+    the step's pace by the forward timed inside the step, where the step's own time was taken.
+    Each backward starts from no gradients, as in a training step: accumulating into the last
+    run's would add a read and a write of every gradient to the checkpointed runs' times."""
+
+    def forward_only() -> Any:
+        a, k, _ = call.fresh()
+        return block(*a, **k)
+
+    def forward_and_backward() -> None:
+        block.zero_grad(set_to_none=True)
+        out = _block_output(forward_only())
+        out.backward(torch.ones_like(out))
+
+    def checkpointed(policy: str | None) -> Callable[[], None]:
+        step = _checkpointed_step(block, call, policy)
+
+        def from_no_gradients() -> None:
+            block.zero_grad(set_to_none=True)
+            step()
+
+        return from_no_gradients
+
+    return interleaved_seconds(
+        [forward_only, forward_and_backward, checkpointed(None), checkpointed(PLANNED_POLICY)],
+        repeats, device,
+    )
+
+
+class _Readings:
+    """Seconds on the active clock, summed by name over the stretches ``add`` closes (exact on
+    a modeled clock: its readings subtract and add without rounding)."""
+
+    def __init__(self) -> None:
+        self.started = clock.now()
+        self.seconds: dict[str, Any] = {}
+
+    def add(self, name: str, began: Any) -> None:
+        stretch = clock.now() - began
+        self.seconds[name] = stretch if name not in self.seconds else self.seconds[name] + stretch
+
+
 def _checkpointed_peaks(
     block: nn.Module, call: BlockCall, device: torch.device, policy: str | None
-) -> tuple[int, int]:
+) -> tuple[tuple[int, int], Any]:
     """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
     segment: its forward's peak above its input, and its backward's peak (the recomputation
-    included) above what exists when that starts.
+    included) above what exists when that starts; and the seconds of the whole run (its
+    arguments' fresh copy, forward and backward: what ``_checkpointed_step`` times).
 
     Measured rather than derived: what the recomputation holds and frees early (kept outputs
     backward does not save, under a policy) depends on the block's code, and a checkpointed
@@ -232,6 +281,7 @@ def _checkpointed_peaks(
     with MemoryMeter(device, block, *tensors_in(call.leaves)) as memory, _planned_alone(
         block, policy
     ):
+        readings = _Readings()
         args, kwargs, _ = call.fresh()
         start = memory.current()
         memory.reset_peak()
@@ -241,11 +291,12 @@ def _checkpointed_peaks(
         start = memory.current()
         memory.reset_peak()
         output.backward(gradient)
+        readings.add("run", readings.started)
         backward_peak = memory.peak() - start
         del args, kwargs
     del output, gradient
     block.zero_grad(set_to_none=True)
-    return forward_peak, backward_peak
+    return (forward_peak, backward_peak), readings.seconds["run"]
 
 
 def _checkpointed_step(
