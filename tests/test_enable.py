@@ -322,6 +322,7 @@ def test_only_enable_warns_without_an_optimizer() -> None:
     [
         ("6 gigs", "optimal", r"budget '6 gigs' not understood"),
         ("60%", "fastest", r"unknown strategy 'fastest'; valid strategies: none, every-layer"),
+        ("60%", "optimial", r"unknown strategy 'optimial'; .*optimal; did you mean 'optimal'\?$"),
         (None, "optimal", r"strategy 'optimal' chooses its plan for a budget.*'sqrt'"),
         (None, "chen-greedy", r"strategy 'chen-greedy' chooses its plan for a budget"),
     ],

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradckpt.errors import UsageError
 from gradckpt.measure import optimizer_step
 from gradckpt.measure.optimizer_step import measure_optimizer_step
+from gradckpt.measure.training_state import optimizer_state_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +51,8 @@ def _stepped_by_kind(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return used
 
 
-@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "radam", "adagrad", "nadam"])
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "radam", "adagrad", "nadam",
+                                  "rmsprop"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_kind_by_kind_is_the_whole_replica(monkeypatch, name: str, lora: bool) -> None:
     model = _llama(lora=lora, dtype=torch.bfloat16)
@@ -88,3 +91,31 @@ def test_a_linear_layers_step_is_its_weights_and_its_bias() -> None:
     layer = torch.nn.Linear(100, 100)  # two kinds, one of each
     assert measure_optimizer_step("adamw", layer, FOREACH).temporary_bytes == 40400
     assert measure_optimizer_step("adamw", layer, LOOP).temporary_bytes == 80000
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "adagrad", "adamw", "sgd"])
+def test_an_optimizer_by_name_keeps_the_state_its_class_keeps(name: str) -> None:
+    """The state counted for an optimizer given by name is what that optimizer, with its
+    defaults, holds after a step (its ``step`` counters, scalars, aside)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model[0].requires_grad_(False)  # a frozen part keeps no state
+    cls, groups, _ = optimizer_step._what_to_replicate(name, model)
+    optimizer = cls(groups)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    held = sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for key, value in state.items() if key != "step")
+    assert optimizer_state_bytes(name, model) == held
+
+
+@pytest.mark.parametrize(("name", "close"), [("adamww", "adamw"), ("RMSProp", None),
+                                             ("adam8bit", "adam-8bit")])
+def test_a_misspelt_optimizer_is_told_the_name_it_is_close_to(name: str, close: str) -> None:
+    if close is None:  # names are not case-sensitive
+        assert optimizer_step.check_optimizer(name) == name
+        return
+    with pytest.raises(UsageError, match=f"; did you mean '{close}'"):
+        optimizer_step.check_optimizer(name)
+    with pytest.raises(UsageError, match=f"; did you mean '{close}'"):
+        optimizer_state_bytes(name, torch.nn.Linear(2, 2))

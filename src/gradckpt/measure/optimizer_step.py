@@ -27,7 +27,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from .meter import MemoryMeter
 from .tensors import tensor_bytes
 from .training_state import (
@@ -116,7 +116,7 @@ def check_optimizer(optimizer: Any) -> torch.optim.Optimizer | str | None:
             raise UsageError(
                 f"unknown optimizer {optimizer!r}; pass an optimizer object "
                 f"(optimizer=torch.optim.AdamW(...)) or one of: {', '.join(OPTIMIZER_NAMES)}, "
-                "or 'none'"
+                f"or 'none'{did_you_mean(optimizer, OPTIMIZER_NAMES)}"
             )
         return optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from .tensors import tensor_bytes
 
 __all__ = [
@@ -35,6 +35,9 @@ __all__ = [
 OPTIMIZER_STATES_PER_PARAMETER: dict[str, int] = {
     "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1,
     "SGD": 0, "Adadelta": 2, "Rprop": 2, "ASGD": 1, "LBFGS": 0,
+    # Its square average; momentum > 0 adds a buffer, centered=True a gradient average (given
+    # by name, the defaults are planned: pass the optimizer itself for the others).
+    "RMSprop": 1,
 }
 
 
@@ -77,7 +80,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | str | None, model: 
         by_lower_name = {name.lower(): n for name, n in OPTIMIZER_STATES_PER_PARAMETER.items()}
         if name not in by_lower_name:
             known = ", ".join(sorted([*by_lower_name, *OPTIMIZER_STATE_BYTES_PER_PARAMETER]))
-            raise UsageError(f"unknown optimizer {optimizer!r}; known: {known}")
+            raise UsageError(f"unknown optimizer {optimizer!r}; known: {known}"
+                             f"{did_you_mean(optimizer, known.split(', '))}")
         return by_lower_name[name] * sum(tensor_bytes(p) for p in trainable)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(
