@@ -43,7 +43,14 @@ def llama_plan() -> gradckpt.Plan:
         hidden_size=128),
      "block 'model.layers.0': its input_layernorm.weight was [64] when the plan was made, "
      "and is [128] here"),
-    (lambda: with_lora(tiny_llama(3, vocab_size=VOCAB)), "its blocks are not all in"),
+    (lambda: tiny_llama(2, vocab_size=VOCAB),
+     "it checkpoints 'model.layers.2', which LlamaForCausalLM has no module named (3 blocks "
+     "planned, 1 missing)"),
+    (lambda: with_lora(tiny_llama(3, vocab_size=VOCAB)),
+     "it checkpoints 'model.layers.0', 'model.layers.1' and 'model.layers.2', which "
+     "PeftModel has no module named (3 blocks planned, 3 missing); the model holds "
+     "'base_model.model.model.layers.0', 'base_model.model.model.layers.1' and "
+     "'base_model.model.model.layers.2', as if wrapped after the plan was made. "),
 ])
 def test_a_plan_on_another_model_says_how_it_differs(llama_plan, other, message) -> None:
     model = other()

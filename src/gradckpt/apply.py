@@ -15,14 +15,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from torch import nn
 
 from .budget_watch import watch_budget
 from .ecosystem_hooks import Occasion, run_ecosystem_hooks
 from .engine import HeadChunking, SegmentsHandle, checkpoint_segments, chunk_head
-from .errors import UsageError
+from .errors import UsageError, either
 from .measure import resolve_blocks
 from .measure.fingerprint import fingerprint_mismatch
 from .plan import Plan, Segment
@@ -64,21 +64,28 @@ def apply(model: nn.Module, plan: Plan) -> None:
         raise UsageError(f"apply() needs a gradckpt.Plan, got {type(plan).__name__}")
     if not plan.block_names:
         raise UsageError("the plan names no blocks; make it with gradckpt.solve(profile, ...)")
+    modules = dict(model.named_modules())
+    missing = [name for name in plan.block_names if name not in modules]
+    if missing:
+        more = " and more" if len(missing) > 3 else ""
+        # A plan made before the model was wrapped (PEFT, DDP) names its blocks without the
+        # wrapper's prefix.
+        wrapped = [found for name in missing[:3] for found in modules
+                   if found.endswith("." + name)]
+        hint = (f"; the model holds {either(wrapped, joined_by='and')}{more}, as if wrapped "
+                f"after the plan was made" if len(wrapped) == len(missing[:3]) else "")
+        _refuse_another_models_plan(
+            f"it checkpoints {either(missing[:3], joined_by='and')}{more}, which "
+            f"{type(model).__name__} has no module named ({len(plan.block_names)} blocks "
+            f"planned, {len(missing)} missing){hint}")
     try:
         named_blocks = resolve_blocks(model, plan.block_names)
     except UsageError as error:
-        raise UsageError(
-            f"this plan was made for another model: its blocks are not all in "
-            f"{type(model).__name__} ({error})"
-        ) from None
+        _refuse_another_models_plan(f"its blocks do not make a chain here ({error})")
     mismatch = fingerprint_mismatch(model, plan.block_names, plan.block_fingerprints,
                                     plan.chain_lengths)
     if mismatch is not None:
-        raise UsageError(
-            f"this plan was made for another model: {mismatch}. Its predictions (the peak, the "
-            f"budget it fits) are that model's; make a plan for this one: "
-            f"gradckpt.enable(model, sample, budget=...)"
-        )
+        _refuse_another_models_plan(mismatch)
     head = _planned_head(model, plan)
     flat = _flatten(plan.segments)
     for segment in flat:
@@ -211,6 +218,14 @@ def _planned_models_sharing(model: nn.Module) -> list[nn.Module]:
         planned for planned in list(_installed)
         if planned in inside or any(module is model for module in planned.modules())
     ]
+
+
+def _refuse_another_models_plan(why: str) -> NoReturn:
+    raise UsageError(
+        f"this plan was made for another model: {why}. Its predictions (the peak, the budget it "
+        f"fits) are that model's; make a plan for this one: gradckpt.enable(model, sample, "
+        f"budget=...)"
+    ) from None
 
 
 def _planned_head(model: nn.Module, plan: Plan) -> nn.Module | None:

@@ -144,12 +144,14 @@ def _similarity(word: str, choice: str) -> float:
     return difflib.SequenceMatcher(None, word, choice).ratio()
 
 
-def either(names: list[str], *, quote: bool = True) -> str:
-    """``names`` as alternatives in a sentence.
+def either(names: list[str], *, quote: bool = True, joined_by: str = "or") -> str:
+    """``names`` as alternatives in a sentence (``joined_by="and"``: all of them).
 
     Example:
         >>> either(["gpt2", "gptj", "gpt-sw3"]), either(["--seq"], quote=False)
         ("'gpt2', 'gptj' or 'gpt-sw3'", '--seq')
+        >>> either(["h.1", "h.2"], joined_by="and")
+        "'h.1' and 'h.2'"
     """
     words = [repr(name) for name in names] if quote else names
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {joined_by} {words[-1]}"
