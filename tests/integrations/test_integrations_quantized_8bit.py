@@ -40,10 +40,11 @@ from test_integrations_quantized import (  # noqa: E402
 
 from gradckpt.integrations.quantized_8bit import (  # noqa: E402
     _int8_functions,
+    _int8_matmul_flops,
     _matmul_state,
     quantize_linear_layers_8bit,
 )
-from gradckpt.predict.clock import ModeledClock  # noqa: E402
+from gradckpt.predict.clock import ModeledClock, register_flop_formula  # noqa: E402
 from gradckpt.predict.devices import device_spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -209,3 +210,70 @@ def test_a_planned_8bit_lora_loop_fits_its_budget_and_trains_bit_for_bit():
     """enable() on a real 8-bit base with LoRA; four AdamW steps as a fine-tuning script runs
     them; steps 2-4 metered against the plain run."""
     assert_a_planned_loop_fits_and_trains_bit_for_bit(lambda: lora_8bit("llama", meta=False))
+
+
+# --- the int8 matmul on the modeled clock ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("target", "rate"), [
+    ("h100-80gb", 3958e12 / 2),  # its datasheet's INT8 Tensor Core 3,958 TOPS*, dense
+    ("rtx4090-24gb", 660.6e12),
+    ("v100-16gb", 15.7e12),  # no INT8 tensor cores: its FP32 figure
+])
+def test_the_int8_matmul_counts_its_flops_at_the_targets_int8_rate(target, rate):
+    """Under a modeled clock for a GPU (as in ``estimate``), a layer's int8 matmul counts
+    2·M·N·K FLOPs at the target's INT8 rate, beside its bytes (the int8 input and weight, the
+    int32 product); it is the one operation timed in int8."""
+    rows, inputs, outputs = 16, 256, 512
+    spec = device_spec(target)
+    timed = []
+
+    class Recording:
+        kind = "cuda"
+
+        def seconds(self, flops, bytes_moved, dtype):
+            timed.append((flops, bytes_moved, dtype))
+            return spec.seconds(flops, bytes_moved, dtype)
+
+    layer = layer_8bit(inputs, outputs)
+    with ecosystem_hooks_on(layer), ModeledClock(Recording()):
+        layer(torch.randn(rows, inputs, dtype=torch.bfloat16))
+    [(flops, moved)] = [(flops, moved) for flops, moved, dtype in timed if dtype == torch.int8]
+    assert flops == 2 * rows * inputs * outputs
+    assert moved == rows * inputs + outputs * inputs + 4 * rows * outputs
+    assert spec.seconds(flops, 0, torch.int8) == pytest.approx(flops / rate)
+
+
+def test_an_8bit_estimate_for_an_h100_times_its_int8_matmuls_at_the_int8_rate():
+    """Llama layers large enough that their int8 matmuls are compute-bound on an H100 (2048
+    tokens, hidden 2048): each block's modeled forward is longer than with the matmuls timed
+    by their bytes alone, by exactly what their FLOPs at 1,979 TOPS add to the roofline."""
+    tokens, hidden, intermediate, kv = 2048, 2048, 5632, 512
+
+    def forward_seconds() -> float:
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=hidden, intermediate_size=intermediate,
+            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+            max_position_embeddings=tokens)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        quantize_linear_layers_8bit(model.to(torch.bfloat16))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+        ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+        profile = gradckpt.estimate(model, {"input_ids": ids, "labels": ids},
+                                    optimizer="adamw", device="h100-80gb")
+        return profile.blocks[0].forward_seconds
+
+    counted = forward_seconds()
+    register_flop_formula("bitsandbytes::int8_linear_matmul", lambda *args, out_val: 0)
+    try:
+        by_bytes = forward_seconds()
+    finally:
+        register_flop_formula("bitsandbytes::int8_linear_matmul", _int8_matmul_flops)
+    added = 0.0
+    for k, n in [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
+                 (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]:
+        seconds_of_bytes = (tokens * k + n * k + 4 * tokens * n) / 3350e9
+        added += max(2 * tokens * n * k / (3958e12 / 2), seconds_of_bytes) - seconds_of_bytes
+    assert counted > by_bytes and added > 0  # some are compute-bound: their FLOPs matter
+    assert counted - by_bytes == pytest.approx(added, rel=1e-9)

@@ -37,7 +37,9 @@ def test_preset_is_sane(name: str) -> None:
     assert spec.kind == "cuda"
     assert spec.memory_bytes > 0 and spec.memory_bytes % GIB == 0  # vendor GB are binary
     assert spec.memory_bandwidth_bytes_per_second > 0
-    rates = spec.flops_per_second
+    rates = dict(spec.flops_per_second)
+    int8 = rates.pop(torch.int8, None)  # INT8 tensor cores from Turing on: not the V100
+    assert (int8 is None) == (spec.compute_capability < (7, 5))
     if spec.unsupported_dtypes:  # Volta, Turing: fp16 tensor cores only, bf16 refused
         assert spec.unsupported_dtypes == (torch.bfloat16,)
         assert set(rates) == {torch.float32, torch.float16}
@@ -46,6 +48,9 @@ def test_preset_is_sane(name: str) -> None:
         assert rates[torch.float16] == rates[torch.bfloat16]
     assert all(rate > 0 for rate in rates.values())
     assert rates[torch.float16] >= rates[torch.float32]
+    if int8 is not None:  # twice the FP16 (FP32-accumulate) rate; on GeForce four times
+        ratio = 4 if "GeForce" in spec.description else 2
+        assert int8 / rates[torch.float16] == pytest.approx(ratio, rel=0.02)
     assert "datasheet" in spec.source or "whitepaper" in spec.source
 
 
@@ -74,8 +79,33 @@ DATASHEET = {
 }
 
 
+# The dense INT8 tensor-core TOPS each preset cites (half the "with sparsity" figure where the
+# vendor prints that), typed again; None: no INT8 tensor cores (Volta), timed at fp32's figure.
+INT8_DATASHEET = {
+    "h100-80gb": 3958 / 2,
+    "h100-pcie-80gb": 3026 / 2,
+    "h200-141gb": 3958 / 2,
+    "a100-80gb": 624,
+    "a100-40gb": 624,
+    "l4-24gb": 485 / 2,
+    "rtx4090-24gb": 660.6,
+    "b200-180gb": 9000 / 2,
+    "a10g-24gb": 125,
+    "l40s-48gb": 733,
+    "t4-16gb": 130,
+    "v100-16gb": None,
+    "v100-32gb": None,
+    "v100-pcie-16gb": None,
+    "v100-pcie-32gb": None,
+    "rtx3090-24gb": 284,
+    "rtx5090-32gb": 838,
+    "a6000-48gb": 309.7,
+    "rtx6000ada-48gb": 1457 / 2,
+}
+
+
 def test_every_preset_is_checked_against_its_datasheet() -> None:
-    assert set(DATASHEET) == set(DEVICES)
+    assert set(DATASHEET) == set(DEVICES) == set(INT8_DATASHEET)
 
 
 @pytest.mark.parametrize("name", sorted(DATASHEET))
@@ -86,6 +116,19 @@ def test_preset_figures_match_the_datasheet(name: str) -> None:
     assert spec.flops_per_second[torch.float16] == pytest.approx(tensor_tflops * 1e12)
     assert spec.flops_per_second[torch.float32] == pytest.approx(fp32_tflops * 1e12)
     assert spec.memory_bandwidth_bytes_per_second == pytest.approx(bandwidth_gb * 1e9)
+
+
+@pytest.mark.parametrize("name", sorted(INT8_DATASHEET))
+def test_preset_int8_figure_matches_the_datasheet(name: str) -> None:
+    spec, tops = DEVICES[name], INT8_DATASHEET[name]
+    if tops is None:
+        assert torch.int8 not in spec.flops_per_second and "no INT8 figure" in spec.source
+        # an int8 matmul timed at the FP32 figure, as any dtype without a figure of its own
+        assert spec.seconds(1e12, 0, torch.int8) == spec.seconds(1e12, 0, torch.float32)
+    else:
+        assert spec.flops_per_second[torch.int8] == pytest.approx(tops * 1e12)
+        assert "INT8" in spec.source
+        assert spec.seconds(tops * 1e12, 0, torch.int8) == pytest.approx(1.0)
 
 
 # NVIDIA's CUDA GPUs page (developer.nvidia.com/cuda-gpus), which each preset's source cites.
@@ -233,6 +276,7 @@ def test_user_numbers_optional_keys() -> None:
             **VALID,
             "memory": 48_000_000_000,
             "fp16_tflops": 200.5,
+            "int8_tops": 309.7,
             "name": "My-A6000",
             "description": "RTX A6000",
             "kind": "cuda",
@@ -240,6 +284,8 @@ def test_user_numbers_optional_keys() -> None:
     )
     assert (spec.name, spec.description, spec.memory_bytes) == ("my-a6000", "RTX A6000", 48e9)
     assert spec.flops_per_second[torch.float16] == 200.5e12
+    assert spec.flops_per_second[torch.int8] == pytest.approx(309.7e12)
+    assert torch.int8 not in device_spec(VALID).flops_per_second  # timed at fp32's figure
     assert device_spec({**VALID, "memory": "80GB"}).memory_bytes == 80 * 10**9
     assert device_spec({**VALID, "memory": "1.5 GiB"}).memory_bytes == 3 * 2**29
 
@@ -251,7 +297,8 @@ def test_user_numbers_missing_key(key: str) -> None:
         device_spec(numbers)
 
 
-@pytest.mark.parametrize("key", ["bf16_tflops", "fp32_tflops", "bandwidth_gbps", "fp16_tflops"])
+@pytest.mark.parametrize(
+    "key", ["bf16_tflops", "fp32_tflops", "bandwidth_gbps", "fp16_tflops", "int8_tops"])
 @pytest.mark.parametrize("value", [0, -1, -0.5, math.nan, math.inf, True, "100", None])
 def test_user_numbers_bad_number(key: str, value: object) -> None:
     with pytest.raises(UsageError, match=f"'{key}' must be a positive number"):

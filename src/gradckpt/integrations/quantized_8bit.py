@@ -12,7 +12,8 @@ chosen by the input's device:
   computed apart, in the input's dtype), an int8 matmul into an int32 accumulator, dequantised
   into fp16 and cast to the input's dtype. The accumulator, the fp16 result and the outlier
   search (a mask of the input) live inside custom operations. Backward dequantises the
-  weight, as on CPU.
+  weight, as on CPU. ``estimate``'s modeled clock counts the int8 matmul's FLOPs (2·M·N·K,
+  registered below) at the target's INT8 tensor-core rate.
 
 Four things a meter that sees operations (``MemoryMeter`` on CPU, and ``estimate``'s fake
 tensors) would miss are made visible while gradckpt holds the model (the ecosystem hook):
@@ -63,6 +64,7 @@ from torch import nn
 from ..ecosystem_hooks import Occasion, register_ecosystem_hook
 from ..errors import UsageError
 from ..measure import clock
+from ..predict.clock import register_flop_formula
 from .quantized import (
     all_or_none,
     as_bits,
@@ -343,4 +345,20 @@ def _hold_quantized_sizes(layer: nn.Module) -> Callable[[], None]:
     ))
 
 
+def _int8_matmul_flops(A: torch.Tensor, B: torch.Tensor, *rest: Any, out_val: Any = None) -> int:
+    """FLOPs of bitsandbytes' ``int8_linear_matmul(A, B)``, ``A @ B.T`` for ``A`` of (..., K)
+    and ``B`` of (N, K) (its ``.out`` overload takes ``out`` after them): 2·M·N·K, as torch
+    counts a matmul's multiply-adds, which the modeled clock times at the INT8 rate (its
+    inputs' dtype). Without it the matmul was timed by its bytes alone.
+
+    Example:
+        >>> A = torch.empty(2, 4096, 4096, dtype=torch.int8, device="meta")  # 8192 tokens
+        >>> B = torch.empty(14336, 4096, dtype=torch.int8, device="meta")
+        >>> _int8_matmul_flops(A, B) == 2 * 8192 * 14336 * 4096
+        True
+    """
+    return 2 * A.numel() * B.shape[0]
+
+
+register_flop_formula("bitsandbytes::int8_linear_matmul", _int8_matmul_flops)
 register_ecosystem_hook(adapt_8bit_layers)

@@ -4,12 +4,15 @@ While a ``ModeledClock`` is active (inside the ``FakeTensorMode`` the step runs 
 ``now()`` (``gradckpt.measure.clock``) reads the seconds the operations dispatched so far would
 take on the target device: per ATen operation, a roofline, the larger of its FLOPs over the
 device's dense throughput for its dtype and the bytes it reads and writes over the memory
-bandwidth (FLOPs from ``torch.utils.flop_counter``'s registry; views move no bytes). A
-roofline is the fastest the device could go: real kernels reach part of it.
+bandwidth (FLOPs from ``torch.utils.flop_counter``'s registry, or, for a custom operation it
+does not know, from ``register_flop_formula``; views move no bytes). An operation on integers
+alone is timed at its inputs' dtype: an int8 matmul at the device's int8 figure. A roofline is
+the fastest the device could go: real kernels reach part of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +24,7 @@ from ..measure import clock
 from ..measure.clock import Seconds
 from ..measure.tensors import tensor_bytes
 
-__all__ = ["ModeledClock", "Roofline"]
+__all__ = ["ModeledClock", "Roofline", "register_flop_formula"]
 
 
 class Roofline(Protocol):
@@ -99,13 +102,51 @@ class ModeledClock(TorchDispatchMode):
             moved += tensor_bytes(tensor)
         for tensor in outputs:
             moved += tensor_bytes(tensor)
+        # The floating dtype it computes in; on integers alone, what it reads (an int8 matmul
+        # writes int32 but runs at the int8 rate).
         dtype = next((t.dtype for t in (*outputs, *inputs) if t.is_floating_point()),
-                     torch.float32)
+                     inputs[0].dtype if inputs else torch.float32)
         self.flops += flops
         self.bytes_moved += moved
         self._elapsed += Seconds.of(self.device.seconds(flops, moved, dtype))
         return output
 
+
+def register_flop_formula(op: str, formula: Callable[..., int]) -> Callable[[], None]:
+    """Have the modeled clock count the FLOPs of ``op``, an operation torch's FLOP registry
+    has no formula for, named as ``"namespace::name"`` (so that its library need not be
+    imported to name it): ``formula(*args, out_val=output, **kwargs)``, called with the
+    operation's own arguments and output (fake tensors), returns its FLOPs. Returns a function
+    that removes it. ``gradckpt.integrations.quantized_8bit`` registers bitsandbytes' int8
+    matmul so.
+
+    Example:
+        >>> import torch
+        >>> class Device:  # 1 TFLOP/s, 2 int8 TOP/s; bytes take no time
+        ...     def seconds(self, flops, bytes_moved, dtype):
+        ...         return flops / {torch.int8: 2e12}.get(dtype, 1e12)
+        >>> a, b = torch.ones(64, 32, dtype=torch.int8), torch.ones(32, 16, dtype=torch.int8)
+        >>> remove = register_flop_formula(
+        ...     "aten::_int_mm", lambda a, b, out_val: 2 * a.shape[0] * a.shape[1] * b.shape[1])
+        >>> with ModeledClock(Device()) as modeled:
+        ...     _ = torch._int_mm(a, b)  # int8 in, int32 out: timed at the int8 rate
+        >>> modeled.flops, float(modeled.elapsed)
+        (65536, 3.2768e-08)
+        >>> remove()
+    """
+    _FORMULAS[op] = formula
+    _FACTS.clear()
+
+    def remove() -> None:
+        if _FORMULAS.get(op) is formula:
+            del _FORMULAS[op]
+            _FACTS.clear()
+
+    return remove
+
+
+# FLOP formulas of operations torch's registry does not know, by qualified name.
+_FORMULAS: dict[str, Callable[..., int]] = {}
 
 # Per operation, what the clock needs to know of it, looked up once: the fused attention kernel
 # it is (or None), whether it is free (a view, or only makes or describes tensors), and its
@@ -114,10 +155,11 @@ _FACTS: dict[Any, tuple[str | None, bool, Any]] = {}
 
 
 def _facts_of(func: Any) -> tuple[str | None, bool, Any]:
-    name = func.overloadpacket.__name__
+    packet = func.overloadpacket
+    name = packet.__name__
     return ("attention" in name and name or None,
-            func.is_view or func.overloadpacket in _FREE,
-            flop_registry.get(func.overloadpacket))
+            func.is_view or packet in _FREE,
+            flop_registry.get(packet) or _FORMULAS.get(packet._qualified_op_name))
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:

@@ -74,7 +74,9 @@ def device_spec(
             - a dict of numbers for any other device: ``memory`` (bytes, or a size such as
               ``"24GiB"``), ``bf16_tflops``, ``fp32_tflops``, ``bandwidth_gbps`` (GB/s,
               10**9 bytes per second, as datasheets print it), and optionally ``fp16_tflops``
-              (default: ``bf16_tflops``), ``name`` (default ``"custom"``), ``description``,
+              (default: ``bf16_tflops``), ``int8_tops`` (dense INT8 tensor-core TOPS, the rate
+              of an 8-bit base's int8 matmul; default: none, which times it at
+              ``fp32_tflops``), ``name`` (default ``"custom"``), ``description``,
               ``kind`` (``"cuda"`` or ``"cpu"``) and ``compute_capability`` (``"9.0"``; it
               decides which attention kernel the estimate assumes; default ``"8.0"``'s rules);
             - a ``DeviceSpec``, returned as it is.
@@ -200,7 +202,8 @@ def _unknown_device_message(given: str, key: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 _REQUIRED_KEYS = ("memory", "bf16_tflops", "fp32_tflops", "bandwidth_gbps")
-_OPTIONAL_KEYS = ("fp16_tflops", "name", "description", "kind", "compute_capability")
+_OPTIONAL_KEYS = ("fp16_tflops", "int8_tops", "name", "description", "kind",
+                  "compute_capability")
 
 
 def _spec_from_numbers(numbers_given: Mapping[str, Any]) -> DeviceSpec:
@@ -222,6 +225,9 @@ def _spec_from_numbers(numbers_given: Mapping[str, Any]) -> DeviceSpec:
     fp32 = _positive_number("fp32_tflops", numbers_given["fp32_tflops"])
     fp16 = _positive_number("fp16_tflops", numbers_given.get("fp16_tflops", bf16))
     bandwidth = _positive_number("bandwidth_gbps", numbers_given["bandwidth_gbps"])
+    flops = {torch.bfloat16: bf16 * TERA, torch.float16: fp16 * TERA, torch.float32: fp32 * TERA}
+    if "int8_tops" in numbers_given:
+        flops[torch.int8] = _positive_number("int8_tops", numbers_given["int8_tops"]) * TERA
     text = {}
     for key, default in (
         ("name", "custom"),
@@ -238,11 +244,7 @@ def _spec_from_numbers(numbers_given: Mapping[str, Any]) -> DeviceSpec:
         name=text["name"].lower(),
         description=text["description"],
         memory_bytes=memory_bytes,
-        flops_per_second={
-            torch.bfloat16: bf16 * TERA,
-            torch.float16: fp16 * TERA,
-            torch.float32: fp32 * TERA,
-        },
+        flops_per_second=flops,
         memory_bandwidth_bytes_per_second=bandwidth * GIGA,
         source="given by the user",
         kind=text["kind"],

@@ -8,6 +8,12 @@ vendor's table as reproduced in the copy named") and which are **unverified** (n
 vendor's table found; the figure is the one third-party spec databases agree on, or, where they
 disagree, the range they give and which end was taken). Compute capabilities are from NVIDIA's
 CUDA GPUs page (developer.nvidia.com/cuda-gpus).
+
+The INT8 figure is the dense INT8 tensor-core rate (int8 products accumulated in int32, in
+TOPS: a multiply-add counts as two operations, as a FLOP formula counts it), the rate of the
+int8 matmul an 8-bit base (bitsandbytes' LLM.int8()) runs in each frozen layer. It is not
+halved on GeForce cards as the FP16 figure with FP32 accumulation is: their INT8 rate is twice
+their FP16-accumulate rate, four times the FP32-accumulate one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ GEFORCE = (
     "accumulates in FP32"
 )
 NO_BF16 = "no bf16: tensor cores before Ampere take fp16 only, so bf16 is refused, not guessed"
+# Volta's tensor cores take fp16 only; INT8 tensor cores came with Turing (bitsandbytes: "7.5 is
+# the minimum CC for int8 tensor cores"; below it, "only slow 8-bit matmul is supported").
+NO_INT8 = (
+    "no INT8 figure: Volta has no INT8 tensor cores (they came with Turing, compute capability "
+    "7.5), and the datasheet prints no INT8 rate; an int8 matmul (an 8-bit base's) is timed at "
+    "the FP32 figure, as every dtype without a figure of its own is (bitsandbytes warns that "
+    "below 7.5 'only slow 8-bit matmul is supported')"
+)
 
 
 def from_datasheet(
@@ -42,11 +56,14 @@ def from_datasheet(
     bandwidth_gb_per_second: float,
     compute_capability: tuple[int, int],
     source: str,
+    int8_tops: float | None,
     bf16: bool = True,
 ) -> DeviceSpec:
     """A preset from its datasheet: ``tensor_tflops`` is the dense FP16 (and BF16) tensor-core
-    rate with FP32 accumulation, ``fp32_tflops`` the plain (non-tensor) FP32 rate, memory in the
-    vendor's GB (binary: ``spec.GIB``) and bandwidth in its GB/s (10**9 bytes per second).
+    rate with FP32 accumulation, ``fp32_tflops`` the plain (non-tensor) FP32 rate, ``int8_tops``
+    the dense INT8 tensor-core rate (``None`` for a card without INT8 tensor cores: an int8
+    matmul is then timed at the FP32 figure), memory in the vendor's GB (binary: ``spec.GIB``)
+    and bandwidth in its GB/s (10**9 bytes per second).
 
     ``bf16=False`` for a card without bf16 tensor cores (Volta, Turing): the spec then has no
     bfloat16 figure and lists it in ``unsupported_dtypes``, so that a bf16 estimate on it is an
@@ -55,11 +72,13 @@ def from_datasheet(
     Example:
         >>> t4 = from_datasheet("t4", "T4", memory_gib=16, tensor_tflops=65, fp32_tflops=8.1,
         ...                     bandwidth_gb_per_second=320, compute_capability=(7, 5),
-        ...                     source="example", bf16=False)
+        ...                     source="example", int8_tops=130, bf16=False)
         >>> sorted(str(dtype) for dtype in t4.flops_per_second), t4.unsupported_dtypes
-        (['torch.float16', 'torch.float32'], (torch.bfloat16,))
+        (['torch.float16', 'torch.float32', 'torch.int8'], (torch.bfloat16,))
     """
     flops = {torch.float16: tensor_tflops * TERA, torch.float32: fp32_tflops * TERA}
+    if int8_tops is not None:
+        flops[torch.int8] = int8_tops * TERA
     if bf16:
         # FP16 and BF16 tensor rates are equal on every GPU listed (one figure for both).
         flops[torch.bfloat16] = tensor_tflops * TERA

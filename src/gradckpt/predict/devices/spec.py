@@ -51,7 +51,10 @@ class DeviceSpec:
         flops_per_second: dense throughput per dtype (no 2:4 sparsity): tensor-core figures for
             ``torch.bfloat16`` / ``torch.float16``, the plain FP32 (non-tensor) figure for
             ``torch.float32``, because PyTorch does not use TF32 for fp32 matmuls unless told to
-            (``torch.backends.cuda.matmul.allow_tf32`` is off by default). Must include
+            (``torch.backends.cuda.matmul.allow_tf32`` is off by default). ``torch.int8``:
+            the dense INT8 tensor-core rate (operations per second, a multiply-add counted as
+            two), at which the int8 matmul of an 8-bit base is timed; GPU presets have it
+            where the card has INT8 tensor cores (not the V100). Must include
             ``torch.float32``: other dtypes fall back to it.
         memory_bandwidth_bytes_per_second: peak DRAM bandwidth (HBM / GDDR / system RAM).
         source: where the numbers come from (a datasheet, or how they were measured).
@@ -159,10 +162,13 @@ class DeviceSpec:
         ``dtype`` picks the throughput; dtypes without a figure of their own use float32's:
         integer and bool operations in a training step are elementwise and bandwidth-bound, so
         the figure hardly matters (float64 math is slower than float32's on most GPUs: give it
-        a figure of its own where it matters). A roofline is the fastest the device could go;
-        real kernels reach a fraction of it. A dtype in ``unsupported_dtypes`` falls back the
-        same way, because raising inside a traced step can abort the process: ``estimate``
-        refuses such a step before it traces it (``check_dtypes``).
+        a figure of its own where it matters). The exception is the int8 matmul of an 8-bit
+        base, timed at ``torch.int8``'s figure where the device has one, else at float32's
+        (a V100 has no INT8 tensor cores; this machine's CPU is not measured in int8). A
+        roofline is the fastest the device could go; real kernels reach a fraction of it. A
+        dtype in ``unsupported_dtypes`` falls back the same way, because raising inside a
+        traced step can abort the process: ``estimate`` refuses such a step before it traces
+        it (``check_dtypes``).
 
         Example:
             >>> import torch
