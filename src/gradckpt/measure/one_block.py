@@ -118,22 +118,22 @@ def measure_block(
         # are timed as they run (each from no gradients, as a training step starts).
         operations = operations_of(block, call, side_inputs)
         (checkpointed_forward_peak, checkpointed_backward_peak), checkpointed_step = (
-            _checkpointed_peaks(block, call, device, policy=None))
+            _checkpointed_peaks(block, call, device, None, name))
         (policy_forward_peak, policy_backward_peak), policy_step = _checkpointed_peaks(
-            block, call, device, policy=PLANNED_POLICY)
+            block, call, device, PLANNED_POLICY, name)
         forward_alone = readings.seconds["forward"]
         forward_times, backward, checkpointed, policy = (
             [forward_alone], [readings.seconds["backward"]],
             [checkpointed_step - forward_alone], [policy_step - forward_alone])
     else:
         forward_times, backward, checkpointed, policy = _timed_apart(block, call, repeats,
-                                                                     device)
+                                                                     device, name)
         block.zero_grad(set_to_none=True)
         operations = operations_of(block, call, side_inputs)
         (checkpointed_forward_peak, checkpointed_backward_peak), _ = _checkpointed_peaks(
-            block, call, device, policy=None)
+            block, call, device, None, name)
         (policy_forward_peak, policy_backward_peak), _ = _checkpointed_peaks(
-            block, call, device, policy=PLANNED_POLICY)
+            block, call, device, PLANNED_POLICY, name)
     forward_seconds = (statistics.median(forward_times) if forward_in_step is None
                        else forward_in_step)
     ratios = TimeRatios.of(forward_times, backward, checkpointed, policy)
@@ -187,7 +187,8 @@ def _measured_op_choices(
     agreed = replace(measured, forward_seconds_by_op=by_op)
     for operations, kept_bytes, share in menu_of(agreed):
         policy = save_ops_policy_name(operations)
-        (forward_peak, backward_peak), _ = _checkpointed_peaks(block, call, device, policy=policy)
+        (forward_peak, backward_peak), _ = _checkpointed_peaks(block, call, device, policy,
+                                                             measured.name)
         choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak))
     return choices
 
@@ -218,7 +219,7 @@ def _agreed_across_ranks(seconds_by_op: dict[str, float]) -> dict[str, float]:
 
 
 def _timed_apart(
-    block: nn.Module, call: BlockCall, repeats: int, device: torch.device
+    block: nn.Module, call: BlockCall, repeats: int, device: torch.device, name: str
 ) -> tuple[list[float], ...]:
     """Its forward alone, plain, checkpointed and under the policy, in turn, ``repeats`` rounds
     (``interleaved_seconds``): each time is kept as a multiple of the forward timed in the same
@@ -237,7 +238,7 @@ def _timed_apart(
         out.backward(torch.ones_like(out))
 
     def checkpointed(policy: str | None) -> Callable[[], None]:
-        step = _checkpointed_step(block, call, policy)
+        step = _checkpointed_step(block, call, policy, name)
 
         def from_no_gradients() -> None:
             block.zero_grad(set_to_none=True)
@@ -265,7 +266,7 @@ class _Readings:
 
 
 def _checkpointed_peaks(
-    block: nn.Module, call: BlockCall, device: torch.device, policy: str | None
+    block: nn.Module, call: BlockCall, device: torch.device, policy: str | None, name: str
 ) -> tuple[tuple[int, int], Any]:
     """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
     segment: its forward's peak above its input, and its backward's peak (the recomputation
@@ -279,7 +280,7 @@ def _checkpointed_peaks(
     # The forward runs inside the tracker too: the recomputation frees kept outputs that
     # backward does not save, and a tracker only sees the frees of tensors it knows.
     with MemoryMeter(device, block, *tensors_in(call.leaves)) as memory, _planned_alone(
-        block, policy
+        block, policy, name
     ):
         readings = _Readings()
         args, kwargs, _ = call.fresh()
@@ -300,14 +301,14 @@ def _checkpointed_peaks(
 
 
 def _checkpointed_step(
-    block: nn.Module, call: BlockCall, policy: str | None
+    block: nn.Module, call: BlockCall, policy: str | None, name: str
 ) -> Callable[[], None]:
     """The block's forward and backward, checkpointed on its own under ``policy`` (engine,
-    recomputation and the policy's per-operation dispatch included)."""
+    recomputation and the policy's per-operation dispatch included), as the region ``name``."""
 
     def forward_and_backward() -> None:
         args, kwargs, _ = call.fresh()
-        with _planned_alone(block, policy):
+        with _planned_alone(block, policy, name):
             out = _block_output(block(*args, **kwargs))
             out.backward(torch.ones_like(out))
 
@@ -315,12 +316,12 @@ def _checkpointed_step(
 
 
 @contextlib.contextmanager
-def _planned_alone(block: nn.Module, policy: str | None) -> Iterator[None]:
+def _planned_alone(block: nn.Module, policy: str | None, name: str) -> Iterator[None]:
     """``block`` checkpointed on its own as ``apply`` does it (a one-block segment): its hooks
     open and close the region, so that other hooks on the block run outside it, as in a
-    planned step (FSDP2's all-gather before the block, its reshard after)."""
-    handle = checkpoint_segments([block], [(0, 0)], policies=[policy],
-                                 names=[type(block).__name__])
+    planned step (FSDP2's all-gather before the block, its reshard after). The region is
+    named as the block is in the model: a ``CheckpointError`` says which block."""
+    handle = checkpoint_segments([block], [(0, 0)], policies=[policy], names=[name])
     try:
         yield
     finally:
