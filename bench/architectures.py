@@ -1,0 +1,566 @@
+"""Does gradckpt train every architecture of the installed Transformers as the plain model does?
+
+The question (issue 28, item 2): users fine-tune whatever was released last month, not the
+families the tests build. For every model type of Transformers' causal-LM mapping
+(``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; with ``--all-mappings`` the masked-LM, seq-to-seq and
+image-classification mappings too, as far as they build), this builds the model from a TINY
+config (hidden 64, 2 layers, 4 heads, vocabulary 256, attention dropout 0.1 where the config
+has it; random weights, nothing downloaded) and a batch with ``labels``, and runs:
+
+1. the plain step twice from the same seed: does the plain model repeat itself (loss and
+   gradients equal)?
+2. ``gradckpt.enable(model, batch, budget="60%", optimizer="adamw")``, or the least feasible
+   budget (``BudgetError.minimum_bytes``) where 60% cannot be met; then the step users write,
+   with a real AdamW, measured side by side with the plain one (``gradckpt.side_by_side.
+   compare_plans``: the loop's second step on the package's meter, MemTracker on CPU): its
+   gradients equal to the plain model's (bit for bit; within float rounding where the plan
+   computes the loss in chunks), its measured peak within the plan's budget + 3%, and against
+   the predicted peak;
+3. Transformers' own ``model.gradient_checkpointing_enable()`` beside it: supported? equal
+   gradients? its peak against the plain one.
+
+Each architecture starts from a fresh, seeded state, with a time limit (``--limit``, 60 s):
+past it, or on any exception, it is listed with the reason. An architecture whose tiny config
+or model cannot be built, or whose plain step fails, is "outside gradckpt": it is listed but not
+counted. The closing line is ``N/M architectures that train plainly pass``: M those whose plain
+step trains, N those of them that pass (gradients and budget).
+
+    .venv/bin/python bench/architectures.py                    # every causal LM: ~30 min
+    .venv/bin/python bench/architectures.py --only llama,gpt2  # a subset
+    .venv/bin/python bench/architectures.py --all-mappings --json results.json
+
+Run without ``--only`` the table is written to ``docs/results/architectures_cpu.txt``
+(``--all-mappings``: ``architectures_all_cpu.txt``). Memory only, no timing: the machine may be
+busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import _common
+import torch
+import transformers
+from transformers.models.auto import configuration_auto, modeling_auto
+
+import gradckpt
+from gradckpt.integrations.hf import turn_caches_off
+from gradckpt.side_by_side import UsersStep, compare_gradients, compare_plans
+
+OVER_BUDGET = 0.03  # what the measured peak may exceed the budget by
+BUDGET = "60%"
+BATCH, SEQ, IMAGE = 2, 128, 32
+VOCAB = 256
+ROOT = Path(__file__).resolve().parents[1]
+
+# The mappings swept, by the name --all-mappings gives them, and the batch each trains on.
+MAPPINGS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+
+# ---------------------------------------------------------------------------------------------
+# Tiny configs
+# ---------------------------------------------------------------------------------------------
+
+# Config fields set where a config has them (and is bigger), by what they size.
+WIDTH, LAYERS = 64, 2
+SIZES: dict[str, int] = {
+    **dict.fromkeys(["hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim",
+                     "model_dim", "word_embed_proj_dim", "embedding_size"], WIDTH),
+    **dict.fromkeys(["intermediate_size", "ffn_dim", "d_ff", "n_inner", "ffn_hidden_size",
+                     "encoder_ffn_dim", "decoder_ffn_dim", "dim_feedforward", "hidden_dim",
+                     "inner_hidden_size", "filter_size"], 2 * WIDTH),
+    **dict.fromkeys(["moe_intermediate_size", "shared_expert_intermediate_size",
+                     "expert_intermediate_size", "moe_ffn_hidden_size"], WIDTH),
+    **dict.fromkeys(["num_hidden_layers", "n_layer", "num_layers", "n_layers",
+                     "num_decoder_layers", "encoder_layers", "decoder_layers"], LAYERS),
+    **dict.fromkeys(["num_attention_heads", "n_head", "num_heads", "n_heads",
+                     "encoder_attention_heads", "decoder_attention_heads"], 4),
+    **dict.fromkeys(["num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                     "num_key_value_groups"], 2),
+    **dict.fromkeys(["head_dim", "d_kv", "attention_head_size", "kv_channels"], 16),
+    **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"],
+                    4),
+    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"], 2),
+    **dict.fromkeys(["vocab_size", "text_vocab_size"], VOCAB),
+    **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
+                     "seq_length"], 2 * SEQ),
+    **dict.fromkeys(["rotary_dim", "qk_rope_head_dim", "qk_nope_head_dim"], 8),
+    **dict.fromkeys(["v_head_dim", "kv_lora_rank"], 16),
+    **dict.fromkeys(["q_lora_rank"], 32),
+    **dict.fromkeys(["n_group", "topk_group"], 1),
+    **dict.fromkeys(["image_size"], IMAGE),
+    **dict.fromkeys(["patch_size"], 8),
+}
+# Set to 0.1 where the config has them: recomputation must replay the dropout masks.
+DROPOUTS = ["attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout"]
+TOKEN_IDS = ["pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
+             "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id"]
+FIRST_ID = 8  # ids below this are left to the configs' special tokens
+
+
+LAYER_COUNTS = ["num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers",
+                "encoder_layers", "decoder_layers"]
+
+
+def shrink(fields: dict[str, Any], dropout: bool = True) -> dict[str, Any]:
+    """The overrides that make the config whose fields (``to_dict()``) are ``fields`` tiny,
+    nested configs (``text_config``, ...) included. Per-layer lists (``layer_types``) get
+    ``LAYERS`` entries, keeping each kind of layer they have (a hybrid stays hybrid); lists of
+    layer indices (``cross_attention_layers``) keep those below ``LAYERS``, or the last layer."""
+    layers = next((fields[k] for k in LAYER_COUNTS if isinstance(fields.get(k), int)), None)
+    changes: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, dict) and "model_type" in value:
+            changes[name] = value | shrink(value, dropout)
+        elif name in SIZES and isinstance(value, int) and not isinstance(value, bool):
+            if value > SIZES[name]:
+                changes[name] = SIZES[name]
+        elif name in ("head_dim", "num_key_value_heads") and value is None:
+            changes[name] = SIZES[name]  # derived where None, but not by every model
+        elif name in DROPOUTS and isinstance(value, float) and dropout:
+            changes[name] = 0.1
+        elif name in TOKEN_IDS and isinstance(value, int) and value >= FIRST_ID:
+            changes[name] = FIRST_ID - 1 - TOKEN_IDS.index(name) % FIRST_ID
+        elif name == "use_cache":
+            changes[name] = False
+        elif isinstance(value, list) and value and layers and layers > LAYERS:
+            changes[name] = _per_layer(name, value, layers)
+    if "kv_lora_rank" in fields:  # multi-head latent attention: as many key/value heads, and
+        # the head_dim of its rotary part
+        changes |= {"num_key_value_heads": SIZES["num_attention_heads"],
+                    "head_dim": SIZES["qk_rope_head_dim"]}
+    return {name: value for name, value in changes.items() if value is not None}
+
+
+def _per_layer(name: str, values: list[Any], layers: int) -> list[Any] | None:
+    """``values`` for ``LAYERS`` layers where it is a per-layer list or a list of layer indices
+    of a config of ``layers`` layers; None where it is neither."""
+    integers = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    indices = integers and all(0 <= v < layers for v in values)
+    if indices and len(values) < layers and values == sorted(set(values)):
+        kept = [v for v in values if v < LAYERS]
+        return kept or [LAYERS - 1]
+    if len(values) != layers:
+        return None
+    if "heads" in name and integers:
+        return [SIZES["num_attention_heads"]] * LAYERS
+    if all(isinstance(v, str) for v in values):
+        kinds = list(dict.fromkeys(values))
+        return (kinds + values[:LAYERS])[:LAYERS] if len(kinds) <= LAYERS else values[:LAYERS]
+    return values[:LAYERS]
+
+
+def tiny_config(model_type: str, model_class: type, dropout: bool = True) -> Any:
+    """Transformers' config of ``model_type`` at its defaults, shrunk (``shrink``); the part
+    of it ``model_class`` takes where that is a nested config (a text model's of a
+    multimodal config)."""
+    config_class = configuration_auto.CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    changes = shrink(defaults, dropout)
+    if "is_decoder" in defaults and model_class.__name__.endswith("ForCausalLM"):
+        changes["is_decoder"] = True  # BERT-like encoders as causal language models
+    config = config_class(**changes)
+    wanted = getattr(model_class, "config_class", None)
+    if wanted is not None and not isinstance(config, wanted):
+        nested = [value for name in config.to_dict()
+                  if isinstance(value := getattr(config, name, None), wanted)]
+        config = nested[0] if nested else config
+    config._attn_implementation = "eager"
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+
+
+def vocabulary(config: Any) -> int:
+    """The smallest vocabulary among the config's (nested ones too): the ids drawn fit all."""
+    found = []
+    for owner in [config, *(getattr(config, k) for k in dir(config)
+                            if k.endswith("_config") and hasattr(getattr(config, k, None),
+                                                                  "to_dict"))]:
+        size = getattr(owner, "vocab_size", None)
+        if isinstance(size, int) and size > FIRST_ID:
+            found.append(size)
+    return min(found) if found else VOCAB
+
+
+def make_batch(kind: str, config: Any) -> dict[str, torch.Tensor]:
+    """The batch ``kind``'s models train on, with ``labels``."""
+    generator = torch.Generator().manual_seed(1)
+    if kind == "image-classification":
+        channels = getattr(config, "num_channels", 3)
+        size = getattr(config, "image_size", IMAGE)
+        size = size if isinstance(size, int) else IMAGE
+        return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=generator),
+                "labels": torch.randint(0, config.num_labels, (BATCH,), generator=generator)}
+    vocab = vocabulary(config)
+    ids = torch.randint(FIRST_ID, vocab, (BATCH, SEQ), generator=generator)
+    if kind == "causal-lm":
+        return {"input_ids": ids, "labels": ids.clone()}
+    if kind == "masked-lm":
+        labels = torch.full_like(ids, -100)
+        labels[:, ::7] = ids[:, ::7]
+        return {"input_ids": ids, "labels": labels}
+    labels = torch.randint(FIRST_ID, vocab, (BATCH, SEQ // 2), generator=generator)
+    return {"input_ids": ids, "labels": labels}
+
+
+# ---------------------------------------------------------------------------------------------
+# One architecture
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """One architecture's row."""
+
+    model_type: str
+    mapping: str
+    model_class: str
+    status: str  # "pass", "fail", "outside" (does not train plainly here), "timeout"
+    reason: str = ""
+    parameters: int = 0
+    plain_reproducible: bool | None = None
+    plain_peak: int | None = None
+    budget: int | None = None
+    budget_ratio: float | None = None  # budget / plain peak
+    least_budget: bool = False  # 60% was infeasible: the least feasible budget instead
+    measured_peak: int | None = None
+    predicted_peak: int | None = None
+    gradients: str = ""  # "equal", "rounding 3e-07", "differ: ...", ""
+    hf: str = ""  # Transformers' own checkpointing: "equal", "unsupported", ...
+    hf_peak: int | None = None
+    seconds: float = 0.0
+    phase: str = ""  # the step running (or last run)
+
+    @property
+    def trains_plainly(self) -> bool:
+        """Whether the plain step trains: the architecture counts in the summary's M."""
+        return self.status in ("pass", "fail") or self.plain_reproducible is not None
+
+    def measured_vs_budget(self) -> float | None:
+        if self.measured_peak is None or not self.budget:
+            return None
+        return self.measured_peak / self.budget - 1
+
+    def predicted_vs_measured(self) -> float | None:
+        if self.measured_peak is None or not self.predicted_peak:
+            return None
+        return self.predicted_peak / self.measured_peak - 1
+
+
+class Outside(Exception):
+    """The architecture does not train plainly here: not gradckpt's business."""
+
+
+class TimeLimit(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``TimeLimit`` in the main thread once ``seconds`` pass (SIGALRM)."""
+
+    def expire(*_: Any) -> None:
+        raise TimeLimit(f"over the time limit of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def short(error: BaseException) -> str:
+    """An exception in one line: its type, its message's first line, where it was raised."""
+    message = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = ""
+    if frames:
+        frame = frames[-1]
+        where = f" ({Path(frame.filename).name}:{frame.lineno})"
+    return f"{type(error).__name__}: {message}{where}"
+
+
+def hf_checkpointing(model: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """Transformers' own checkpointing on ``model`` while the context is open."""
+
+    @contextlib.contextmanager
+    def enabled() -> Iterator[None]:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            yield
+        finally:
+            model.gradient_checkpointing_disable()
+
+    return enabled
+
+
+def build(model_type: str, mapping: str, class_name: str,
+          dropout: bool = True) -> tuple[torch.nn.Module, dict]:
+    """The tiny model (seeded, training mode, caches off) and its batch; ``Outside`` if either
+    cannot be built."""
+    try:
+        model_class = getattr(transformers, class_name)
+        config = tiny_config(model_type, model_class, dropout)
+        torch.manual_seed(0)
+        model = model_class(config).train()
+    except (TimeLimit, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        raise Outside(f"tiny model not built: {short(error)}") from error
+    turn_caches_off(model)
+    return model, make_batch(mapping, config)
+
+
+def trains_plainly(model_type: str, mapping: str, class_name: str) -> tuple[Any, dict, bool]:
+    """The tiny model, its batch, and whether its plain step, run twice from one seed, repeats
+    itself; with attention dropout off where the model refuses it (DiffLlama); ``Outside``
+    where the plain step fails."""
+    failures: list[Outside] = []
+    for dropout in (True, False):
+        try:
+            model, batch = build(model_type, mapping, class_name, dropout)
+        except Outside as error:
+            failures.append(error)
+            continue
+        plain = UsersStep(model, batch)  # seeded, no optimizer: the weights stay
+        try:
+            again = compare_gradients(model, {"plain": plain, "again": plain})
+        except (TimeLimit, KeyboardInterrupt):
+            raise
+        except Exception as error:
+            failures.append(Outside(f"plain step fails: {short(error)}"))
+            continue
+        if again.compared == 0:
+            raise Outside("plain step trains no parameter")
+        return model, batch, again.identical("again")
+    raise failures[0]
+
+
+def run_architecture(result: Result) -> None:
+    """Steps 1-3 of the module docstring on one architecture, filling in ``result``;
+    ``result.phase`` says which step runs."""
+    result.phase = "the plain step"
+    model, batch, result.plain_reproducible = trains_plainly(
+        result.model_type, result.mapping, result.model_class)
+    result.parameters = sum(p.numel() for p in model.parameters())
+    result.phase = "gradckpt.enable"
+    try:
+        plan = gradckpt.enable(model, batch, budget=BUDGET, optimizer="adamw")
+    except gradckpt.BudgetError as error:
+        result.least_budget = True
+        plan = gradckpt.solve(error.profile, error.minimum_bytes)
+        gradckpt.apply(model, plan)
+    gradckpt.disable(model)
+    result.budget, result.predicted_peak = plan.budget_bytes, plan.predicted_peak_bytes
+
+    contenders: dict[str, Any] = {"plain": None, "gradckpt": plan}
+    if getattr(model, "supports_gradient_checkpointing", False):
+        contenders["hf"] = hf_checkpointing(model)
+    else:
+        result.hf = "unsupported"
+    optimizer = torch.optim.AdamW(model.parameters())
+    result.phase = "the steps compared"
+    comparison = compare_plans(model, batch, contenders, optimizer=optimizer, rounds=0)
+    peaks = comparison.peak_bytes
+    result.plain_peak, result.measured_peak = peaks["plain"], peaks["gradckpt"]
+    result.budget_ratio = result.budget / result.plain_peak
+    result.gradients = gradient_verdict(comparison, "gradckpt", plan.head_chunks > 1)
+    if "hf" in contenders:
+        result.hf_peak = peaks["hf"]
+        saves = peaks["hf"] < peaks["plain"]
+        result.hf = gradient_verdict(comparison, "hf", False) + ("" if saves else ", saves none")
+
+    reasons = []
+    if not result.gradients.startswith(("equal", "rounding")):
+        reasons.append(f"gradients {result.gradients}" + (
+            "" if result.plain_reproducible else " (the plain model does not repeat itself)"))
+    over = result.measured_vs_budget()
+    if over is not None and over > OVER_BUDGET:
+        reasons.append(f"measured {over:+.1%} over the budget")
+    result.status = "fail" if reasons else "pass"
+    result.reason = "; ".join(reasons)
+
+
+def gradient_verdict(comparison: Any, name: str, chunked: bool) -> str:
+    """``equal``, ``rounding 3e-07`` (a chunked loss within ``CHUNKED_LOSS_ROUNDING``) or
+    ``differ`` with the largest relative difference."""
+    if comparison.identical(name):
+        return "equal"
+    largest = comparison.largest_difference(name)
+    if chunked and largest <= _common.CHUNKED_LOSS_ROUNDING:
+        return f"rounding {largest:.0e}"
+    return f"differ {largest:.1e}"
+
+
+def sweep_one(model_type: str, mapping: str, class_name: str, limit: float) -> Result:
+    """``run_architecture`` from a fresh, seeded state, within ``limit`` seconds, any failure
+    turned into a row with its reason."""
+    gc.collect()
+    torch.manual_seed(0)
+    start = time.monotonic()
+    result = Result(model_type, mapping, class_name, "fail")
+    try:
+        with time_limit(limit), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Transformers' deprecations, gradckpt's advice
+            run_architecture(result)
+    except Outside as error:
+        result.status, result.reason = "outside", str(error)
+    except TimeLimit as error:
+        result.status, result.reason = "timeout", f"{error}, in {result.phase}"
+    except KeyboardInterrupt:
+        raise
+    except Exception as error:
+        result.reason = f"{short(error)}, in {result.phase}"
+    result.seconds = time.monotonic() - start
+    gc.collect()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep and its table
+# ---------------------------------------------------------------------------------------------
+
+
+def architectures(all_mappings: bool, only: list[str] | None) -> list[tuple[str, str, str]]:
+    """(model type, mapping, model class) for every entry swept, in each mapping's order."""
+    chosen = MAPPINGS if all_mappings else {"causal-lm": MAPPINGS["causal-lm"]}
+    entries = []
+    for mapping, attribute in chosen.items():
+        for model_type, class_name in getattr(modeling_auto, attribute).items():
+            if isinstance(class_name, (list, tuple)):
+                class_name = class_name[0]
+            if only is None or model_type in only:
+                entries.append((model_type, mapping, class_name))
+    if only is not None:
+        missing = sorted(set(only) - {model_type for model_type, _, _ in entries})
+        if missing:
+            raise SystemExit(f"--only: not in the swept mappings: {', '.join(missing)}")
+    return entries
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def row(result: Result) -> list[str]:
+    status = {"pass": "PASS", "fail": "FAIL", "outside": "outside gradckpt",
+              "timeout": "TIMEOUT"}[result.status]
+    if result.reason:  # in full in the lists below the table
+        status += f": {result.reason[:50]}" + ("..." if len(result.reason) > 50 else "")
+    reproducible = {None: "-", True: "yes", False: "NO"}[result.plain_reproducible]
+    ratio = "-" if result.budget_ratio is None else f"{result.budget_ratio:.0%}"
+    if result.least_budget:
+        ratio += " (least)"
+    hf = result.hf or "-"
+    if result.hf_peak is not None and result.plain_peak:
+        hf += f", peak {result.hf_peak / result.plain_peak:.0%}"
+    return [result.model_type, reproducible, status, ratio, percent(result.measured_vs_budget()),
+            percent(result.predicted_vs_measured()), hf, f"{result.seconds:.1f}"]
+
+
+HEADERS = ["type", "plain repeats", "gradckpt", "budget/plain", "measured vs budget",
+           "predicted vs measured", "HF checkpointing (gradients, peak/plain)", "s"]
+
+
+def summary(results: list[Result]) -> str:
+    trained = [r for r in results if r.trains_plainly]
+    passing = [r for r in trained if r.status == "pass"]
+    return f"{len(passing)}/{len(trained)} architectures that train plainly pass"
+
+
+def report(results: list[Result], header: list[str]) -> str:
+    lines = [*header, ""]
+    lines.append(_common.format_table(HEADERS, [row(r) for r in results]))
+    lines.append("")
+    groups = {"fail": "failing", "timeout": "over the time limit", "outside": "outside gradckpt"}
+    for status, title in groups.items():
+        named = [r for r in results if r.status == status]
+        if named:
+            lines.append(f"{title} ({len(named)}):")
+            lines += [f"  {r.model_type}: {r.reason}" for r in named]
+    trained = [r for r in results if r.trains_plainly]
+    errors = [abs(e) for r in trained if (e := r.predicted_vs_measured()) is not None]
+    if errors:
+        off = sum(e > 0.03 for e in errors)
+        lines.append(f"predictions: median error {sorted(errors)[len(errors) // 2]:.2%}, "
+                     f"{off} of {len(errors)} more than 3% off")
+    hf_saves = [r for r in trained if r.hf.startswith("equal") and "saves none" not in r.hf]
+    lines.append(f"Transformers' own checkpointing: equal gradients and less memory on "
+                 f"{len(hf_saves)} of {len(trained)}")
+    lines.append(summary(results))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated model types to run (default: all)")
+    parser.add_argument("--all-mappings", action="store_true",
+                        help="masked-LM, seq-to-seq and image-classification mappings too")
+    parser.add_argument("--limit", type=float, default=60.0,
+                        help="seconds per architecture before it is skipped [60]")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = parser.parse_args(argv)
+    only = args.only.split(",") if args.only else None
+    entries = architectures(args.all_mappings, only)
+    transformers.logging.set_verbosity_error()
+    header = [
+        "bench/architectures.py: every architecture of the installed Transformers, tiny, "
+        "trained plainly, with gradckpt and with its own checkpointing",
+        f"command: {_common.command_line(argv)}",
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC; machine: "
+        f"{os.cpu_count()} CPU cores; torch {torch.__version__}, {torch.get_num_threads()} CPU "
+        f"threads; transformers {transformers.__version__}; gradckpt "
+        f"{getattr(gradckpt, '__version__', '?')}",
+        f"models: tiny configs (hidden {WIDTH}, 2 layers, 4 heads, vocabulary {VOCAB}, "
+        f"attention dropout 0.1 where the config has it, eager attention), random weights; "
+        f"batch {BATCH} x seq {SEQ} with labels ({IMAGE}x{IMAGE} images); AdamW",
+        f"gradckpt: enable(budget={BUDGET!r}, optimizer='adamw'), the least feasible budget "
+        f"where that fails; pass = gradients equal to plain and measured peak <= budget "
+        f"+{OVER_BUDGET:.0%}; peaks: the loop's 2nd step (compare_plans, MemTracker)",
+        f"{len(entries)} architectures, {args.limit:.0f} s each at most",
+    ]
+    print("\n".join(header), flush=True)
+    results = []
+    for index, (model_type, mapping, class_name) in enumerate(entries, 1):
+        result = sweep_one(model_type, mapping, class_name, args.limit)
+        results.append(result)
+        print(f"[{index}/{len(entries)}] " + "  ".join(row(result)), flush=True)
+    text = report(results, header)
+    print()
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"summary": summary(results), "results": [asdict(r) for r in results]}, indent=1))
+    if only is None:
+        name = "architectures_all_cpu.txt" if args.all_mappings else "architectures_cpu.txt"
+        (ROOT / "docs" / "results" / name).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
