@@ -154,9 +154,9 @@ def _globals() -> dict:
 
 # A KeyboardInterrupt that no hook of gradckpt sees (between two blocks, in a pre-hook after
 # gradckpt's) leaves the segment it cut short open on the thread, its hooks off: the next call of
-# a block of the model finishes it (segments.py, "Failure safety"). Likewise the caches that the
-# Transformers integration turned off for the forward come back at the next forward
-# (test_an_interrupt_leaves_the_cache_setting_as_it_was: that is a bug).
+# a block of the model finishes it (segments.py, "Failure safety"). The caches that the
+# Transformers integration turned off for the forward are back at once (a try/finally in the
+# model's forward: test_an_interrupt_leaves_the_cache_setting_as_it_was).
 FINISHED_BY_THE_NEXT_STEP = {"open segments", "entered hooks"}
 
 
@@ -175,7 +175,7 @@ def _check_everything_came_back(
     interrupted: bool = False,
 ) -> None:
     _same_globals(globals_before, FINISHED_BY_THE_NEXT_STEP if interrupted else set())
-    _same_model(model_before, _model_state(model), {"config"} if interrupted else set())
+    _same_model(model_before, _model_state(model))
     torch.randn(3)  # the default generator works
     # The same planned model trains as the plain one, and a fresh one plans and trains so.
     plain = _train(_model(lora))
@@ -238,11 +238,6 @@ def test_a_planned_step_failing_in_forward_or_recomputation_leaves_nothing(
                                 interrupted=isinstance(error, KeyboardInterrupt))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: integrations/hf.py _caches_off_while_training turns config.use_cache off in a "
-    "forward pre-hook and back on in the post-hook, which torch skips on a KeyboardInterrupt; "
-    "use_cache stays False until the model's next forward (a save_pretrained on Ctrl-C "
-    "writes use_cache=false)"))
 def test_an_interrupt_leaves_the_cache_setting_as_it_was() -> None:
     model = _model(lora=False)
     block = _planned(model)

@@ -14,6 +14,7 @@ whatever model it plans); only building a model from a config needs the ``hf`` e
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import weakref
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..ecosystem_hooks import Occasion, register_ecosystem_hook
 from ..errors import did_you_mean, warn_once
+from . import hf_head  # noqa: F401  (registered first: the cache guard wraps its forward)
 
 if TYPE_CHECKING:
     from .hf_trainer import GradckptCallback  # noqa: F401  (loaded on first use: __getattr__)
@@ -194,41 +196,50 @@ def _masks_as_for_unpadded_batches() -> Callable[[], None] | None:
 
 
 def _caches_off_while_training(model: nn.Module) -> Callable[[], None] | None:
-    """Forward hooks on ``model`` that turn caches off for a forward pass with gradients on."""
+    """A forward for ``model`` that turns its caches off for a pass with gradients on and back
+    on as it returns or raises; returns what takes it off again.
+
+    A forward, not a pair of forward hooks: torch runs no post-hook (``always_call`` included)
+    when the forward raises a ``KeyboardInterrupt``, and a Ctrl-C would leave
+    ``config.use_cache`` false (a ``save_pretrained`` then writes it so). It wraps the forward
+    the model has (``hf_head``'s chunked loss, registered before this hook so that it wraps
+    first) and holds the model only weakly (no reference cycle; see ``hf_head``).
+    """
     if not any(hasattr(getattr(m, "config", None), "use_cache") for m in model.modules()):
         return None
-    pending: list[Callable[[], None] | None] = []
+    owner = weakref.ref(model)
+    own = vars(model).get("forward")  # a forward set on the instance, if any
 
-    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        # Left by a forward that a KeyboardInterrupt ended (torch runs no post-hook then; the
-        # model's forward does not call itself): its caches come back first.
-        put_back_pending()
+    @functools.wraps(own if own is not None else type(model).forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        module = owner()
+        assert module is not None  # called through the module, which holds this function
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return own(*args, **kwargs) if own is not None \
+                else type(module).forward(module, *args, **kwargs)
+
         if not torch.is_grad_enabled():  # inference and generate(): the cache as configured
-            pending.append(None)
-            return None
-        pending.append(turn_caches_off(module))
+            return call(*args, **kwargs)
+        restore = turn_caches_off(module)
         if kwargs.get("use_cache"):
-            return args, {**kwargs, "use_cache": False}
-        return None
-
-    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if pending and (restore := pending.pop()) is not None:
-            restore()
-
-    handles = [
-        model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, with_kwargs=True, always_call=True),
-    ]
-
-    def put_back_pending() -> None:
-        while pending:
-            if (restore := pending.pop()) is not None:
+            kwargs = {**kwargs, "use_cache": False}
+        try:
+            return call(*args, **kwargs)
+        finally:  # every exit: a return, an exception, a KeyboardInterrupt
+            if restore is not None:
                 restore()
 
+    model.forward = forward
+
     def remove() -> None:
-        for handle in handles:
-            handle.remove()
-        put_back_pending()
+        module = owner()
+        if module is None or vars(module).get("forward") is not forward:
+            return  # gone, or replaced since (theirs stays)
+        if own is not None:
+            module.forward = own
+        else:
+            del module.forward
 
     return remove
 
