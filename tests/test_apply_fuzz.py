@@ -9,8 +9,9 @@ GELU, a feature permutation by views, reshape and transpose, and the in-place
 (``x + body(x)``), two paths merged (``body(x) * sigmoid(other(x))``) or a block calling its
 one body twice; returning a tensor, a tuple ``(hidden, aux, "aux")`` or a dict
 ``{"hidden": ..., "aux": ...}`` (the model adds the aux losses to its output); some blocks
-frozen, some ending in a projection whose weight is shared with another block; the input
-requiring grad or not.
+frozen, some ending in a projection whose weight is shared with another block; every block
+given a gate computed outside the blocks from a parameter (a keyword argument) or not; the input
+requiring grad or not; float32 or float64.
 
 How the model is checkpointed (``Install``): a plan from ``gradckpt.solve`` on a
 ``gradckpt.profile`` of another instance of the model, with a random strategy and a random
@@ -237,6 +238,8 @@ class ModelSpec:
     blocks: list[BlockSpec]
     tied: bool  # the first two blocks with a projection share its weight
     input_requires_grad: bool
+    gated: bool  # every block also gets a keyword argument computed outside the blocks
+    dtype: torch.dtype
     seed: int
 
 
@@ -252,7 +255,7 @@ class FuzzBlock(nn.Module):
                       if spec.shape == "two-paths" else None)
         self.projection = nn.Linear(width, width) if spec.projection else None
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> Any:
         if self.shape == "residual":
             hidden = x + self.body(x)
         elif self.shape == "two-paths":
@@ -263,6 +266,8 @@ class FuzzBlock(nn.Module):
             hidden = self.body(x)
         if self.projection is not None:
             hidden = self.projection(hidden)
+        if gate is not None:
+            hidden = hidden * gate
         if self.returns == "tuple":
             return hidden, hidden.pow(2).mean(), "aux"
         if self.returns == "dict":
@@ -275,17 +280,22 @@ class FuzzNet(nn.Module):
         super().__init__()
         torch.manual_seed(spec.seed)
         self.blocks = nn.ModuleList(FuzzBlock(block, spec.width) for block in spec.blocks)
+        # A side input of every block that needs grad: its gradient reaches this parameter
+        # through every block, recomputed or not.
+        self.gate = nn.Parameter(torch.randn(spec.width)) if spec.gated else None
         projected = [block for block in self.blocks if block.projection is not None]
         if spec.tied and len(projected) >= 2:
             projected[1].projection.weight = projected[0].projection.weight
         for block, block_spec in zip(self.blocks, spec.blocks, strict=True):
             if block_spec.frozen:
                 block.requires_grad_(False)
+        self.to(spec.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         aux = None
+        gate = None if self.gate is None else torch.sigmoid(self.gate)
         for block in self.blocks:
-            out = block(x)
+            out = block(x) if gate is None else block(x, gate=gate)
             if isinstance(out, tuple):
                 x, extra = out[0], out[1]
             elif isinstance(out, dict):
@@ -339,10 +349,12 @@ def model_specs(draw: st.DrawFn) -> ModelSpec:
         blocks=draw(st.lists(block_specs(), min_size=2, max_size=5)),
         tied=draw(st.booleans()),
         input_requires_grad=draw(st.booleans()),
+        gated=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
         seed=draw(st.integers(0, 2**16)),
     )
     # Something to differentiate (a frozen first block keeps the rest trainable: invariant 4).
-    assume(spec.input_requires_grad or any(map(trains, spec.blocks)))
+    assume(spec.input_requires_grad or spec.gated or any(map(trains, spec.blocks)))
     return spec
 
 
@@ -437,19 +449,21 @@ def install_specs(draw: st.DrawFn, blocks: int, installers: tuple[str, ...] = IN
         spec.segments = draw(st.one_of(st.just([]), segment_lists(0, blocks - 1, st.none())))
         in_segments = {index for segment in spec.segments for index in segment.blocks()}
         free = [index for index in range(blocks) if index not in in_segments]
-        assume(free)
+        if not free:
+            spec.segments, free = [], list(range(blocks))
         chosen = draw(st.sets(st.sampled_from(free), min_size=1))
         spec.modules = {index: draw(any_policies) for index in sorted(chosen)}
     return spec
 
 
 def loss_of(output: torch.Tensor) -> torch.Tensor:
-    return (output * torch.linspace(-1, 1, output.numel()).view_as(output)).sum()
+    weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype)
+    return (output * weights.view_as(output)).sum()
 
 
 def sample(spec: ModelSpec) -> torch.Tensor:
     generator = torch.Generator().manual_seed(spec.seed + 1)
-    x = torch.randn(BATCH, spec.seq, spec.width, generator=generator)
+    x = torch.randn(BATCH, spec.seq, spec.width, generator=generator, dtype=spec.dtype)
     return x.requires_grad_(spec.input_requires_grad)
 
 
@@ -457,9 +471,10 @@ PROFILED = ("strategy", "enable")  # the installers that measure the model
 
 
 def profile_fails_on(spec: ModelSpec) -> bool:
-    """Whether ``gradckpt.profile`` fails on the model: its input needs no grad, nor do its
-    first block's parameters (frozen, or none: the strict xfail at the end)."""
-    return not spec.input_requires_grad and not trains(spec.blocks[0])
+    """Whether ``gradckpt.profile`` fails on the model: the first block's output needs no
+    grad, as neither its input, its gate nor its parameters (frozen, or none) do (the strict
+    xfail at the end)."""
+    return not (spec.input_requires_grad or spec.gated or trains(spec.blocks[0]))
 
 
 def least_peak_bytes(profile: gradckpt.Profile, strategy: str) -> int:
@@ -570,13 +585,20 @@ def module_state(model: nn.Module) -> dict[str, Any]:
             for name, module in model.named_modules()}
 
 
-def global_state() -> dict[str, Any]:
-    """torch's saved-tensor hooks and modes; gradckpt's thread-local and module-level state."""
+def torch_state() -> dict[str, Any]:
+    """torch's grad mode, saved-tensor hooks and modes on this thread."""
     return {
         "grad": torch.is_grad_enabled(),
         "saved tensors hooks": torch._C._autograd._top_saved_tensors_default_hooks(True),
         "dispatch modes": torch._C._len_torch_dispatch_stack(),
         "function modes": torch._C._len_torch_function_stack(),
+    }
+
+
+def global_state() -> dict[str, Any]:
+    """``torch_state``; gradckpt's thread-local and module-level state."""
+    return {
+        **torch_state(),
         "engine internal work": tensors._internal_work.active,
         "debug": debug._debug_state.enabled,
         "suspended": dict(suspension._suspended.counts),
@@ -604,13 +626,18 @@ def assert_nothing_left(model: FuzzNet, model_before: dict, globals_before: dict
             assert globals_after[key] == value, key
 
 
-def note_draw(spec: ModelSpec, install: InstallSpec) -> None:
-    """What the draw holds, for a failure's report and ``--hypothesis-show-statistics``."""
+def drawn_case(data: st.DataObject) -> tuple[ModelSpec, InstallSpec]:
+    """A model and how it is checkpointed, noted for a failure's report and
+    ``--hypothesis-show-statistics``."""
+    spec = data.draw(model_specs(), label="model")
+    install = data.draw(install_specs(len(spec.blocks)), label="install")
+    assume(install.installer not in PROFILED or not profile_fails_on(spec))
     event(f"installed by: {install.installer}")
     kinds = {kind for block in spec.blocks for kind in block.layers}
     if kinds & set(IN_PLACE):
         event("an in-place layer")
     note(f"install: {install}")
+    return spec, install
 
 
 # ---- the properties -------------------------------------------------------------------------
@@ -621,22 +648,18 @@ def note_draw(spec: ModelSpec, install: InstallSpec) -> None:
 def test_a_random_model_under_a_random_plan_trains_as_the_plain_model(data: st.DataObject
                                                                       ) -> None:
     """Invariants 1 and 2: with any plan, a random model's output, gradients, buffers and
-    random stream after the step are the plain model's bit for bit; once the plan is taken off
-    the model has the hooks, classes and attributes it had, no saved-tensor hook or engine state
-    is left on, and its next step is its plain twin's."""
-    spec = data.draw(model_specs(), label="model")
-    install = data.draw(install_specs(len(spec.blocks)), label="install")
-    assume(install.installer not in PROFILED or not profile_fails_on(spec))
-    note_draw(spec, install)
-    plain = FuzzNet(spec)
-    expected = step(plain, spec)
-    model = FuzzNet(spec)
+    random stream after each of two steps are the plain model's bit for bit; once the plan is
+    taken off the model has the hooks, classes and attributes it had, no saved-tensor hook or
+    engine state is left on, and its next step is its plain twin's."""
+    spec, install = drawn_case(data)
+    plain, model = FuzzNet(spec), FuzzNet(spec)
     model_before, globals_before = module_state(model), global_state()
     remove = Installer(spec, install).install(model)
-    assert_same_step(step(model, spec), expected)
+    for seed in (2, 3):  # two steps: running statistics from a planned step on
+        assert_same_step(step(model, spec, seed), step(plain, spec, seed))
     remove()
     assert_nothing_left(model, model_before, globals_before)
-    assert_same_step(step(model, spec, seed=3), step(plain, spec, seed=3))
+    assert_same_step(step(model, spec, seed=4), step(plain, spec, seed=4))
 
 
 ERRORS: dict[str, Callable[[str], BaseException]] = {
@@ -670,10 +693,7 @@ def test_an_error_in_a_random_planned_step_propagates_and_leaves_nothing(
     call (forward or recomputation) or by a tensor hook in backward reaches the caller as it
     was raised; with the plan taken off nothing is left behind; the same model with the plan
     put back then trains as its plain copy does, and so does a fresh model."""
-    spec = data.draw(model_specs(), label="model")
-    install = data.draw(install_specs(len(spec.blocks)), label="install")
-    assume(install.installer not in PROFILED or not profile_fails_on(spec))
-    note_draw(spec, install)
+    spec, install = drawn_case(data)
     installer = Installer(spec, install)
     model = FuzzNet(spec)
     model_before, globals_before = module_state(model), global_state()
@@ -694,6 +714,8 @@ def test_an_error_in_a_random_planned_step_propagates_and_leaves_nothing(
     with pytest.raises(type(error)) as raised:
         step(model, spec)
     assert raised.value is error
+    # Nothing of the plan's is on in torch, while the plan stays installed.
+    assert torch_state() == {key: globals_before[key] for key in torch_state()}
     raised = None  # its traceback holds the step's tensors
     wire.log.fault = None
     remove()
