@@ -19,6 +19,10 @@ each of those steps and the plain one, and ``solve`` keeps the plan that fits at
 predicted extra time, the plain head on a tie, then the fewest chunks (``output_head="plain"``
 or ``"chunked"`` narrows the choice).
 
+Times are compared with a band, ``timing_noise.TIME_NOISE_BAND`` (10%): times and plans less
+than that apart are the same, and ties go to each solver's fixed order, so the same model and
+sample give the same plan whatever the noise in their timing (``timing_noise``).
+
 Example:
     >>> from gradckpt.profile_types import Profile, example_block
     >>> blocks = [example_block(f"h.{i}") for i in range(4)]
@@ -42,6 +46,7 @@ from .every_layer import solve_every_layer
 from .infeasible import RETRY_WITHOUT_MEASURING, budget_message, explain_infeasible
 from .none import solve_none
 from .sqrt import solve_sqrt
+from .timing_noise import TIME_NOISE_BAND, settle_times
 
 __all__ = ["STRATEGIES", "BUDGET_DRIVEN", "OUTPUT_HEADS", "check_output_head", "solve"]
 
@@ -69,7 +74,7 @@ OUTPUT_HEADS = ("auto", "plain", "chunked")
 
 def solve(
     profile: Profile, budget: int | str | None = None, strategy: str = "optimal", *,
-    output_head: str = "auto",
+    output_head: str = "auto", time_noise: float = TIME_NOISE_BAND,
 ) -> Plan:
     """The plan ``strategy`` makes for ``profile`` under ``budget``.
 
@@ -87,6 +92,11 @@ def solve(
             fits faster (less recomputation of the blocks); ``"plain"``: never (the output's
             ``logits`` stay whole, for a loop that reads them); ``"chunked"``: always. The
             choice exists where ``profile.chunked_heads`` were measured.
+        time_noise: the relative difference below which two measured times, and two plans'
+            predicted extra times, count as the same (``timing_noise.TIME_NOISE_BAND``, 10%,
+            by default): the same model and sample give the same plan whatever the noise in
+            their timing, ties going to the solver's fixed order (docs/planning.md, "Plans are
+            stable under timing noise"). ``0``: the least predicted extra time, exactly.
 
     Raises ``UsageError`` for an unknown strategy or a malformed budget, and ``BudgetError``
     when the strategy's plan does not fit the budget: its message and ``minimum_bytes`` give the
@@ -125,17 +135,24 @@ def solve(
             device_bytes=profile.notes.get("device_usable_bytes"),
         )
 
+    # Chosen on the times merged within the timing noise (timing_noise.py: the same model and
+    # sample give the same plan), predicted on the profile's own.
+    settled = settle_times(profile, time_noise)
     candidates = [
-        plan_for(profile, strategy, budget_bytes,
-                 STRATEGIES[strategy](as_chunked(profile, chunks), budget_bytes), chunks)
+        plan_for(settled, strategy, budget_bytes,
+                 STRATEGIES[strategy](as_chunked(settled, chunks), budget_bytes), chunks)
         for chunks in _head_choices(profile, output_head)
     ]
     fitting = [plan for plan in candidates
                if budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes]
     if not fitting:
         raise _infeasible(profile, strategy, budget_bytes, candidates, output_head)
-    # The plain head first: on a tie it wins (the logits as the model returns them).
-    return min(fitting, key=lambda plan: plan.predicted_extra_seconds)
+    # The plain head first: on a tie it wins (the logits as the model returns them), and a
+    # plan later in that order must be faster by more than the timing noise to win.
+    least = min(plan.predicted_extra_seconds for plan in fitting)
+    chosen = next(plan for plan in fitting
+                  if plan.predicted_extra_seconds <= least * (1 + time_noise))
+    return plan_for(profile, strategy, budget_bytes, chosen.segments, chosen.head_chunks)
 
 
 def check_output_head(output_head: str) -> None:

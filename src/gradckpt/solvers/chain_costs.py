@@ -25,11 +25,12 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cost import gradients_after, side_inputs_held
 from ..op_choices import offload_offer, offloading, policy_cost
 from ..profile_types import PLANNED_POLICY, BlockProfile, Profile
+from .timing_noise import TIME_NOISE_NOTE, merged_within_band
 
 __all__ = [
     "FRESH", "HELD", "OPENING", "KEEP", "POLICY", "ChainCosts", "MenuOption", "SegmentCosts",
@@ -131,6 +132,7 @@ class ChainCosts:
         self._segments: dict[int, SegmentCosts] = {}
         self._menus: dict[int, list[MenuOption]] = {}
         self.host_link, _ = offload_offer(profile)
+        self.time_noise_band = profile.notes.get(TIME_NOISE_NOTE, 0.0)
 
     def menu(self, s: int) -> list[MenuOption]:
         """The policies block s may run under alone at the top level: ``"save-matmuls"``
@@ -162,6 +164,12 @@ class ChainCosts:
                 menu.append(MenuOption(cost.policy, cost.kept_bytes, cost.extra_seconds,
                                        self.alive[s] + (cost.backward_peak_bytes or 0),
                                        cost.transient_bytes))
+        if self.time_noise_band:  # settled times (solve): options within the noise cost the
+            # same, and the first in this order wins their tie (timing_noise.py), not the noise
+            seconds = merged_within_band([option.extra_seconds for option in menu],
+                                         self.time_noise_band)
+            menu = [replace(option, extra_seconds=extra)
+                    for option, extra in zip(menu, seconds, strict=True)]
         self._menus[s] = menu
         return menu
 

@@ -26,6 +26,10 @@ TIME_DTYPE = torch.float32
 # A choice is a block index or a negative code (chain_costs.KEEP, POLICY): the tables hold far
 # fewer than 32,767 blocks (their cells grow with its square).
 CHOICE_DTYPE = torch.int16
+# Relative difference below which two options' exact times are the same time: what float32
+# entries (2**-24 each) summed over a few hundred blocks can round apart, and far below any
+# difference in time a plan makes.
+SUM_ROUNDING = 1e-5
 
 
 class MemoryLevels:
@@ -109,7 +113,10 @@ class Choices:
     The choice compares ``exact``: the sum in float64 of the float32 entries it reads, as
     ``simulate`` adds a plan's seconds. The float32 sums round apart options of equal time
     (the same blocks recomputed, in segments split another way), which would otherwise pick
-    between them. Among options of equal ``exact`` time, the one offered first stays.
+    between them. Among options of equal ``exact`` time, the one offered first stays: a later
+    one replaces it only when faster by more than ``tolerance`` (relative), ``SUM_ROUNDING``
+    (the last bits of sums added in another order), or the timing noise band when ``solve``
+    settled the profile's times (``timing_noise``).
 
     Example:
         >>> kept = torch.tensor([2.0, 1.0])
@@ -123,16 +130,19 @@ class Choices:
     seconds: torch.Tensor
     exact: torch.Tensor
     what: torch.Tensor
+    # How much faster, relatively, an option must be to replace the one offered before it.
+    tolerance: float = SUM_ROUNDING
 
     @classmethod
-    def first(cls, seconds: torch.Tensor, what: int) -> Choices:
+    def first(cls, seconds: torch.Tensor, what: int, tolerance: float = SUM_ROUNDING) -> Choices:
         """The rows of one option, offered first.
 
         Example:
             >>> Choices.first(torch.tensor([[1.0]]), -1).what
             tensor([[-1]], dtype=torch.int16)
         """
-        return cls(seconds, seconds.double(), torch.full(seconds.shape, what, dtype=CHOICE_DTYPE))
+        return cls(seconds, seconds.double(), torch.full(seconds.shape, what, dtype=CHOICE_DTYPE),
+                   tolerance)
 
     def offer(self, seconds: torch.Tensor, exact: torch.Tensor, what: int | torch.Tensor,
               rows: slice = slice(None)) -> None:
@@ -147,7 +157,10 @@ class Choices:
             [-1, 0]
         """
         torch.minimum(self.seconds[rows], seconds, out=self.seconds[rows])
-        better = exact < self.exact[rows]
+        # Better by more than the tolerance: sums of the same times added in another order (a
+        # plan and its mirror) differ in their last bits, and times within the timing noise
+        # are one (timing_noise.py); neither may decide between equal plans.
+        better = exact < self.exact[rows] * (1 - self.tolerance)
         torch.where(better, exact, self.exact[rows], out=self.exact[rows])
         if isinstance(what, int):
             self.what[rows].masked_fill_(better, what)
@@ -163,4 +176,4 @@ class Choices:
             tensor([inf, 1.])
         """
         return Choices(levels.shift(self.seconds, nbytes), levels.shift(self.exact, nbytes),
-                       levels.shift(self.what, nbytes))
+                       levels.shift(self.what, nbytes), self.tolerance)

@@ -34,7 +34,9 @@ rest from s + 1 in m - saved; segment s..j, given as j (its first forward fits),
 time + ``at_input[s, j, m']`` + ``after[j + 1, c, m']``, m' = m - input - its side inputs at
 the top level; ``POLICY - i`` (c = n), block s alone under option i of its menu
 (``ChainCosts.menu``), its time + ``after[s + 1, n, m' - kept outputs]`` where its peaks fit.
-Ties keep that order: KEEP, j upwards, the menu in its order.
+Ties keep that order: KEEP, j upwards, the menu in its order (a later option wins only when
+faster by more than ``Choices.tolerance``: rounding, or the timing noise band of a profile
+``solve`` settled, ``timing_noise``).
 
 Memory is counted in units (``memory_unit_bytes``): 1 byte when the room left for the chain is
 at most ``levels_for(n)`` bytes (up to 2,000 levels; fewer for long chains, so each table stays
@@ -78,7 +80,7 @@ from ..profile_types import Profile
 from .chain_costs import FRESH, KEEP, OPENING, POLICY, ChainCosts, menu_choice, menu_index
 from .chen_greedy import solve_chen_greedy
 from .least_peak import lowest_peak_plan, minimum_peak_bytes
-from .memory_levels import CHOICE_DTYPE, TIME_DTYPE, Choices, MemoryLevels
+from .memory_levels import CHOICE_DTYPE, SUM_ROUNDING, TIME_DTYPE, Choices, MemoryLevels
 
 __all__ = [
     "solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "headroom_levels",
@@ -225,6 +227,8 @@ class _TimeTables:
     def __init__(self, profile: Profile, unit_bytes: int, room_bytes: int) -> None:
         self.chain = ChainCosts(profile)
         self.levels = MemoryLevels(unit_bytes, room_bytes)
+        # An option within the timing noise of the one offered before it ties (timing_noise.py)
+        self.tolerance = max(SUM_ROUNDING, self.chain.time_noise_band)
         n, levels = self.chain.n, self.levels.count
         self.alive = torch.tensor(self.chain.alive, dtype=torch.int64)
         self.after = torch.full((n + 1, n + 1, levels), _INF, dtype=TIME_DTYPE)
@@ -278,10 +282,11 @@ class _TimeTables:
             at_input[s] = 0.0
             at_input[s, : min(levels.units(measured), levels.count)] = _INF
         opening = Choices(at_input[inside], at_input[inside].double(),
-                          self.what_at_input[s, inside])
+                          self.what_at_input[s, inside], self.tolerance)
         # Segments s..j, on levels above the segment's retained input (shifted in at the end).
+        # Nothing offered yet: KEEP is never read there.
         segments = Choices.first(torch.full((c1 - c0, levels.count), _INF, dtype=TIME_DTYPE),
-                                 KEEP)  # nothing offered yet: KEEP is never read there
+                                 KEEP, self.tolerance)
         costs = chain.segments(s)
         for j in range(s, min(chain.limit[s], c1 - 1) + 1):
             k = j - s
@@ -306,12 +311,12 @@ class _TimeTables:
             # Top-level runs only (column n). Inside another segment the engine keeps a
             # policy's outputs from that segment's first forward on, which no prediction counts.
             self._offer_policy(segments, s)
-        after = Choices.first(keep_fresh, KEEP)
+        after = Choices.first(keep_fresh, KEEP, self.tolerance)
         shifted = segments.shifted(levels, chain.blocks[s].input_bytes)
         after.offer(shifted.seconds, shifted.exact, shifted.what)
         self.after[s, columns], self.what_after[s, columns] = after.seconds, after.what
         if chain.held[s]:  # after block s - 1 kept: its input, and a segment's, comes free
-            held = Choices.first(keep_retained, KEEP)
+            held = Choices.first(keep_retained, KEEP, self.tolerance)
             held.offer(segments.seconds, segments.exact, segments.what)
             self.held[s][columns], self.what_held[s][columns] = held.seconds, held.what
 
