@@ -21,10 +21,16 @@ from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["PLANNED_POLICY", "BlockProfile", "ChunkedHead", "OpChoice", "Profile", "example_block"]
+__all__ = ["MODELED_TIMES", "PLANNED_POLICY", "BlockProfile", "ChunkedHead", "OpChoice", "Profile",
+           "example_block"]
 
 
 PLANNED_POLICY = "save-matmuls"  # a preset of gradckpt.engine.fates
+
+MODELED_TIMES = "times_modeled"
+"""``Profile.notes`` key, True where the times were read on a modeled clock (``estimate``):
+the same operations take the same time, so the solvers compare them exactly (no timing noise
+to allow for: ``solvers.timing_noise``)."""
 """The operation-level policy plans choose from: ``profile`` measures each block under it, and
 the optimal solver weighs a segment under it against recomputing everything."""
 

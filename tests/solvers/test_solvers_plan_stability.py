@@ -20,7 +20,7 @@ import pytest
 from hf_models import causal_sample, tiny_llama
 
 import gradckpt
-from gradckpt.profile_types import BlockProfile, Profile
+from gradckpt.profile_types import MODELED_TIMES, BlockProfile, Profile
 from gradckpt.solvers.optimal import minimum_peak_bytes
 from gradckpt.solvers.timing_noise import TIME_NOISE_BAND, merged_within_band, settle_times
 
@@ -35,9 +35,17 @@ SCALAR_SECONDS = ("forward_seconds", "backward_seconds", "matmul_seconds",
 
 
 @pytest.fixture(scope="module")
-def profile() -> Profile:
+def estimated() -> Profile:
     pytest.importorskip("transformers")
     return gradckpt.estimate(tiny_llama(6), causal_sample())
+
+
+@pytest.fixture(scope="module")
+def profile(estimated: Profile) -> Profile:
+    """The estimate standing for a measured profile: its times are what measuring would give
+    without noise, and the noise the tests add is what a measured profile's times carry."""
+    notes = {key: value for key, value in estimated.notes.items() if key != MODELED_TIMES}
+    return dataclasses.replace(estimated, notes=notes)
 
 
 def budget_at(profile: Profile, fraction: float) -> int:
@@ -127,3 +135,12 @@ def test_settling_keeps_each_blocks_times_consistent(profile: Profile) -> None:
     assert all(b.matmul_seconds <= b.forward_seconds for b in settled.blocks)
     assert [b.input_bytes for b in settled.blocks] == [b.input_bytes for b in profile.blocks]
     assert settle_times(noisy, 0) is noisy
+
+
+def test_an_estimate_is_solved_exactly(estimated: Profile) -> None:
+    """A modeled clock times the same operations alike: an estimate's times carry no noise,
+    so its plan is the least predicted extra time (no band), at every budget."""
+    assert estimated.notes[MODELED_TIMES] is True
+    for fraction in BUDGETS:
+        budget = budget_at(estimated, fraction)
+        assert plan_of(estimated, budget) == plan_of(estimated, budget, time_noise=0)

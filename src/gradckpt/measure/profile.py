@@ -44,7 +44,7 @@ from torch import nn
 from ..ecosystem_hooks import ecosystem_hooks_on
 from ..engine import first_tensor, heads_called, plans_suspended, storage_key
 from ..errors import UsageError
-from ..profile_types import BlockProfile, ChunkedHead, Profile
+from ..profile_types import MODELED_TIMES, BlockProfile, ChunkedHead, Profile
 from . import clock
 from .chain import resolve_blocks
 from .device import infer_device
@@ -343,6 +343,7 @@ def _measured(
     if modeled:
         plain.notes["blocks_traced_in_steps"] = (stand_ins.kept if stand_ins is not None
                                                  else len(modules))
+        plain.notes[MODELED_TIMES] = True
     if isinstance(head, str):
         plain.notes["chunked_head"] = head
         return plain

@@ -38,9 +38,9 @@ from collections.abc import Callable
 
 from ..budget import format_bytes, parse_budget
 from ..cost import as_chunked, plan_for
-from ..errors import BudgetError, UsageError
+from ..errors import BudgetError, UsageError, did_you_mean
 from ..plan import Plan, Segment
-from ..profile_types import Profile
+from ..profile_types import MODELED_TIMES, Profile
 from . import chen_greedy, optimal
 from .every_layer import solve_every_layer
 from .infeasible import RETRY_WITHOUT_MEASURING, budget_message, explain_infeasible
@@ -74,7 +74,7 @@ OUTPUT_HEADS = ("auto", "plain", "chunked")
 
 def solve(
     profile: Profile, budget: int | str | None = None, strategy: str = "optimal", *,
-    output_head: str = "auto", time_noise: float = TIME_NOISE_BAND,
+    output_head: str = "auto", time_noise: float | None = None,
 ) -> Plan:
     """The plan ``strategy`` makes for ``profile`` under ``budget``.
 
@@ -93,10 +93,12 @@ def solve(
             ``logits`` stay whole, for a loop that reads them); ``"chunked"``: always. The
             choice exists where ``profile.chunked_heads`` were measured.
         time_noise: the relative difference below which two measured times, and two plans'
-            predicted extra times, count as the same (``timing_noise.TIME_NOISE_BAND``, 10%,
-            by default): the same model and sample give the same plan whatever the noise in
-            their timing, ties going to the solver's fixed order (docs/planning.md, "Plans are
-            stable under timing noise"). ``0``: the least predicted extra time, exactly.
+            predicted extra times, count as the same: the same model and sample give the same
+            plan whatever the noise in their timing, ties going to the solver's fixed order
+            (docs/planning.md, "Plans are stable under timing noise"). ``None`` (default):
+            ``timing_noise.TIME_NOISE_BAND`` (10%) for a measured profile, 0 for an estimate
+            (a modeled clock times the same operations alike: there is no noise to allow for).
+            ``0``: the least predicted extra time, exactly.
 
     Raises ``UsageError`` for an unknown strategy or a malformed budget, and ``BudgetError``
     when the strategy's plan does not fit the budget: its message and ``minimum_bytes`` give the
@@ -117,9 +119,13 @@ def solve(
         gradckpt.errors.BudgetError: budget 1.03 KiB is below the smallest peak any plan ...
     """
     if strategy not in STRATEGIES:
+        suggestion = did_you_mean(strategy, STRATEGIES) if isinstance(strategy, str) else ""
         raise UsageError(
             f"unknown strategy {strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
+            f"{suggestion}"
         )
+    if time_noise is None:
+        time_noise = 0.0 if profile.notes.get(MODELED_TIMES) else TIME_NOISE_BAND
     if budget is None:
         if strategy in BUDGET_DRIVEN:
             raise UsageError(
@@ -165,10 +171,16 @@ def check_output_head(output_head: str) -> None:
         Traceback (most recent call last):
         ...
         gradckpt.errors.UsageError: unknown output_head 'whole'; valid: 'auto', 'plain', 'chunked'
+        >>> check_output_head("chunk")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: unknown output_head 'chunk'; valid: ...; did you mean 'chunked'?
     """
     if output_head not in OUTPUT_HEADS:
+        suggestion = (did_you_mean(output_head, OUTPUT_HEADS) if isinstance(output_head, str)
+                      else "")
         raise UsageError(f"unknown output_head {output_head!r}; valid: "
-                         f"{', '.join(map(repr, OUTPUT_HEADS))}")
+                         f"{', '.join(map(repr, OUTPUT_HEADS))}{suggestion}")
 
 
 def _head_choices(profile: Profile, output_head: str) -> list[int]:
