@@ -175,8 +175,6 @@ def tiny_config(model_type: str, model_class: type, dropout: bool = True) -> Any
     config_class = configuration_auto.CONFIG_MAPPING[model_type]
     defaults = config_class().to_dict()
     changes = shrink(defaults, dropout)
-    if "is_decoder" in defaults and model_class.__name__.endswith("ForCausalLM"):
-        changes["is_decoder"] = True  # BERT-like encoders as causal language models
     config = config_class(**changes)
     wanted = getattr(model_class, "config_class", None)
     if wanted is not None and not isinstance(config, wanted):
@@ -326,6 +324,8 @@ def build(model_type: str, mapping: str, class_name: str,
     try:
         model_class = getattr(transformers, class_name)
         config = tiny_config(model_type, model_class, dropout)
+        if mapping == "causal-lm" and hasattr(config, "is_decoder"):
+            config.is_decoder = True  # BERT-like encoders (and Reformer) as causal LMs
         torch.manual_seed(0)
         model = model_class(config).train()
     except (TimeLimit, KeyboardInterrupt):
@@ -369,16 +369,23 @@ def run_architecture(result: Result) -> None:
         result.model_type, result.mapping, result.model_class)
     result.parameters = sum(p.numel() for p in model.parameters())
     result.phase = "gradckpt.enable"
+    plan, failure = None, None
     try:
         plan = gradckpt.enable(model, batch, budget=BUDGET, optimizer="adamw")
     except gradckpt.BudgetError as error:
         result.least_budget = True
         plan = gradckpt.solve(error.profile, error.minimum_bytes)
         gradckpt.apply(model, plan)
+    except (TimeLimit, KeyboardInterrupt):
+        raise
+    except Exception as error:  # Transformers' own checkpointing is still tried
+        failure = f"{short(error)}, in gradckpt.enable"
     gradckpt.disable(model)
-    result.budget, result.predicted_peak = plan.budget_bytes, plan.predicted_peak_bytes
 
-    contenders: dict[str, Any] = {"plain": None, "gradckpt": plan}
+    contenders: dict[str, Any] = {"plain": None}
+    if plan is not None:
+        contenders["gradckpt"] = plan
+        result.budget, result.predicted_peak = plan.budget_bytes, plan.predicted_peak_bytes
     if getattr(model, "supports_gradient_checkpointing", False):
         contenders["hf"] = hf_checkpointing(model)
     else:
@@ -387,13 +394,17 @@ def run_architecture(result: Result) -> None:
     result.phase = "the steps compared"
     comparison = compare_plans(model, batch, contenders, optimizer=optimizer, rounds=0)
     peaks = comparison.peak_bytes
-    result.plain_peak, result.measured_peak = peaks["plain"], peaks["gradckpt"]
-    result.budget_ratio = result.budget / result.plain_peak
-    result.gradients = gradient_verdict(comparison, "gradckpt", plan.head_chunks > 1)
+    result.plain_peak = peaks["plain"]
     if "hf" in contenders:
         result.hf_peak = peaks["hf"]
         saves = peaks["hf"] < peaks["plain"]
         result.hf = gradient_verdict(comparison, "hf", False) + ("" if saves else ", saves none")
+    if plan is None:
+        result.reason = failure
+        return
+    result.measured_peak = peaks["gradckpt"]
+    result.budget_ratio = result.budget / result.plain_peak
+    result.gradients = gradient_verdict(comparison, "gradckpt", plan.head_chunks > 1)
 
     reasons = []
     if not result.gradients.startswith(("equal", "rounding")):
@@ -509,9 +520,11 @@ def report(results: list[Result], header: list[str]) -> str:
         off = sum(e > 0.03 for e in errors)
         lines.append(f"predictions: median error {sorted(errors)[len(errors) // 2]:.2%}, "
                      f"{off} of {len(errors)} more than 3% off")
-    hf_saves = [r for r in trained if r.hf.startswith("equal") and "saves none" not in r.hf]
+    hf_ran = [r for r in trained if r.hf_peak is not None]
+    hf_saves = [r for r in hf_ran if r.hf.startswith("equal") and "saves none" not in r.hf]
     lines.append(f"Transformers' own checkpointing: equal gradients and less memory on "
-                 f"{len(hf_saves)} of {len(trained)}")
+                 f"{len(hf_saves)} of the {len(hf_ran)} where it ran ("
+                 f"{sum(r.hf == 'unsupported' for r in trained)} do not support it)")
     lines.append(summary(results))
     return "\n".join(lines)
 
