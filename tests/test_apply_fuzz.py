@@ -782,12 +782,6 @@ def test_a_block_checkpointed_as_a_module_inside_a_segment_trains_as_the_plain_m
     assert_identical(gradients(model), expected, "grads")
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "bug: gradckpt.profile (so enable) fails on a chain whose input needs no grad and whose "
-    "first block is frozen or has no parameters (a Dropout): measure/one_block.py calls "
-    "torch.autograd.graph.get_gradient_edge on the block's output, which needs no grad "
-    "('It is not possible to get the gradient edge for a Tensor that does not require "
-    "gradients'); frozen layers are ordinary inputs everywhere (DESIGN.md)"))
 def test_a_chain_whose_first_block_is_frozen_can_be_profiled() -> None:
     """Frozen parameters are ordinary inputs: ``profile`` measures a chain whose first block
     is frozen, its input needing no grad (frozen embeddings, a frozen first layer)."""

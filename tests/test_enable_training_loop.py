@@ -335,6 +335,31 @@ def test_lora_60_percent_is_of_the_plain_loop_and_predicted_exactly() -> None:
     assert_predicted_both_ways(case)
 
 
+def partly_frozen_llama() -> nn.Module:
+    """Partial fine-tuning: the embeddings and the first two of four layers frozen, so the
+    first blocks' outputs need no gradient (they have no backward)."""
+    model = small_llama()
+    model.model.embed_tokens.requires_grad_(False)
+    for layer in model.model.layers[:2]:
+        layer.requires_grad_(False)
+    return model
+
+
+@functools.cache
+def partly_frozen_case() -> Case:
+    return run_case(partly_frozen_llama, adamw_on_trainable, small_batches(), "80%",
+                    with_profile=True)
+
+
+def test_first_layers_frozen_fits_its_budget_and_trains_the_same() -> None:
+    case = partly_frozen_case()
+    print(case.report())
+    assert_fits_and_trains_the_same(case)
+    assert_predicted_both_ways(case)
+    frozen = [block for block in case.profile.blocks[:2]]
+    assert all(block.backward_seconds == 0 and block.saved_bytes == 0 for block in frozen)
+
+
 def qlora_builder(directory: Path) -> Callable[[], nn.Module]:
     """QLoRA as recipes set it up: the small Llama saved, loaded with a 4-bit NF4 base
     (bitsandbytes' CPU backend), ``prepare_model_for_kbit_training``, then LoRA."""

@@ -29,7 +29,7 @@ from .meter import MemoryMeter
 from .operations import operations_of
 from .recording import BlockCall
 from .tensors import tensor_bytes, tensors_in
-from .timing import TimeRatios, interleaved_seconds
+from .timing import TimeRatios, interleaved_seconds, median_seconds
 
 __all__ = ["measure_block"]
 
@@ -87,6 +87,13 @@ def measure_block(
         forward_peak = memory.peak() - start
         began = clock.now()
         chain_output = _block_output(output)
+        if not chain_output.requires_grad:
+            # Nothing it computes needs a gradient (a frozen first block on an input that
+            # needs none): it has no backward and saves nothing, and checkpointing it changes
+            # nothing.
+            return _without_backward(
+                name, block, call, tensor_bytes(hidden), tensor_bytes(chain_output),
+                forward_peak, gradient_bytes, forward_in_step, readings, repeats, device)
         gradient = torch.ones_like(chain_output)
         output_key, output_bytes = storage_key(chain_output), tensor_bytes(chain_output)
         # Backward from the output's gradient edge, the output itself let go: in a step
@@ -172,6 +179,35 @@ def measure_block(
     else:
         block_profile.op_choices = _measured_op_choices(block, call, device, block_profile)
     return block_profile, saved_sides, ratios
+
+
+def _without_backward(
+    name: str, block: nn.Module, call: BlockCall, input_bytes: int, output_bytes: int,
+    forward_peak: int, gradient_bytes: int, forward_in_step: float | None,
+    readings: _Readings, repeats: int, device: torch.device,
+) -> tuple[BlockProfile, dict[int, int], TimeRatios]:
+    """A block whose output needs no gradient, as ``measure_block`` returns it: its forward's
+    time and peak, and nothing for backward or checkpointing."""
+    if forward_in_step is not None:
+        forward_seconds = forward_in_step
+    elif clock.modeled():
+        forward_seconds = readings.seconds["forward"]
+    else:
+        def forward_only() -> None:
+            args, kwargs, _ = call.fresh()
+            block(*args, **kwargs)
+
+        forward_seconds = median_seconds(forward_only, repeats, device)
+    block_profile = BlockProfile(
+        name=name, input_bytes=input_bytes, output_bytes=output_bytes, saved_bytes=0,
+        input_saved=False, output_saved=False, forward_seconds=forward_seconds,
+        backward_seconds=0.0, forward_peak_bytes=forward_peak, backward_peak_bytes=0,
+        gradient_bytes=gradient_bytes, policy_forward_peak_bytes=forward_peak,
+        policy_backward_peak_bytes=0, policy_extra_seconds=0.0,
+        checkpointed_forward_peak_bytes=forward_peak, checkpointed_backward_peak_bytes=0,
+        checkpointed_extra_seconds=0.0,
+    )
+    return block_profile, {}, TimeRatios([0.0], [0.0], [0.0])
 
 
 def _measured_op_choices(
