@@ -758,26 +758,34 @@ def test_an_error_in_a_random_planned_step_propagates_and_leaves_nothing(
     remove()
 
 
-@pytest.mark.xfail(strict=True, raises=gradckpt.CheckpointError, reason=(
-    "bug: a block checkpointed with gradckpt.checkpoint_module inside a segment of a plan "
-    "(gradckpt.apply, or engine.checkpoint_segments) fails in backward with a CheckpointError "
-    "('recomputing region ... saved 1 tensors for backward but its forward pass saved 2'); "
-    "gradckpt.checkpoint called inside the same block nests fine (invariant 5)"))
-def test_a_block_checkpointed_as_a_module_inside_a_segment_trains_as_the_plain_model() -> None:
-    """Invariant 5 (nested checkpoints): ``checkpoint_module`` on a block of a planned segment
-    gives the plain gradients."""
+def test_a_block_of_a_planned_segment_cannot_also_be_checkpointed_as_a_module() -> None:
+    """``checkpoint_module`` wraps a block's whole call, a segment's hooks included, so a
+    segment cannot hold such a block (the two regions would nest one way in the forward pass
+    and the other in recomputation): either order is refused with what to do, the plan and
+    the model left as they were; a module inside the block nests as any region does."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 4))
     x = torch.randn(2, 4, requires_grad=True)
     model(x).sum().backward()
     expected = gradients(model)
     model.zero_grad(set_to_none=True)
-    gradckpt.apply(model, Plan("fuzz", None, [Segment(0, 0)], 0, 0.0, 0.0, block_names=["0", "1"]))
+    plan = Plan("fuzz", None, [Segment(0, 0)], 0, 0.0, 0.0, block_names=["0", "1"])
+    gradckpt.apply(model, plan)
+    with pytest.raises(gradckpt.UsageError, match="a block of a segment of the plan applied"):
+        gradckpt.checkpoint_module(model[0])
+    assert type(model[0]) is nn.Sequential  # not checkpointed as a module
+    gradckpt.disable(model)
     gradckpt.checkpoint_module(model[0])
+    with pytest.raises(gradckpt.UsageError, match="'0' is checkpointed by gradckpt.checkpoint_mo"):
+        gradckpt.apply(model, plan)
+    assert gradckpt.get_plan(model) is None
+    gradckpt.uncheckpoint_module(model[0])
+    gradckpt.apply(model, plan)
+    gradckpt.checkpoint_module(model[0][0])  # inside the block: nested regions
     try:
         model(x).sum().backward()
     finally:
-        gradckpt.uncheckpoint_module(model[0])
+        gradckpt.uncheckpoint_module(model[0][0])
         gradckpt.disable(model)
     assert_identical(gradients(model), expected, "grads")
 

@@ -21,7 +21,13 @@ from torch import nn
 
 from .budget_watch import watch_budget
 from .ecosystem_hooks import Occasion, run_ecosystem_hooks
-from .engine import HeadChunking, SegmentsHandle, checkpoint_segments, chunk_head
+from .engine import (
+    HeadChunking,
+    SegmentsHandle,
+    checkpoint_segments,
+    chunk_head,
+    refuse_checkpointed_modules,
+)
 from .errors import UsageError, either
 from .measure import resolve_blocks
 from .measure.fingerprint import fingerprint_mismatch
@@ -106,6 +112,8 @@ def apply(model: nn.Module, plan: Plan) -> None:
                     f"{parent.start}-{parent.end}; put policies on top-level segments only "
                     "(inside another segment the kept outputs live through the whole step)"
                 )
+    refuse_checkpointed_modules([named_blocks[index] for segment in flat
+                                 for index in range(segment.start, segment.end + 1)])
     disable(model)
     handle = None  # plan "none": no hooks, nothing to pay
     if flat:

@@ -74,7 +74,12 @@ from .fates import (
     save_matmuls,
     save_ops_policy_name,
 )
-from .module import checkpoint_module, is_checkpointed, uncheckpoint_module
+from .module import (
+    checkpoint_module,
+    is_checkpointed,
+    refuse_checkpointed_modules,
+    uncheckpoint_module,
+)
 from .region import checkpoint
 from .segments import SegmentsHandle, checkpoint_segments, continues_chain
 from .suspension import plans_suspended
@@ -95,6 +100,7 @@ __all__ = [
     "AutocastSnapshot",
     "RngSnapshot",
     "checkpoint_segments",
+    "refuse_checkpointed_modules",
     "SegmentsHandle",
     "continues_chain",
     "plans_suspended",

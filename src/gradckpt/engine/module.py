@@ -125,10 +125,34 @@ def checkpoint_module(
             "for a plain function use gradckpt.checkpoint(fn, *args)"
         )
     resolve_policy(policy)  # fail now, not in the middle of the first training step
+    for handle in _handles_on([module]):
+        index = handle.blocks.index(module)
+        if any(segment.start <= index <= segment.end for segment in handle.segments):
+            raise UsageError(
+                f"checkpoint_module(): this {type(module).__name__} is a block of a segment of "
+                "the plan applied (gradckpt.enable/apply), which recomputes it already; "
+                "gradckpt.disable(model) first, or checkpoint a module inside the block"
+            )
     module.__dict__["_gradckpt_settings"] = _CheckpointSettings(policy, preserve_rng_state, name)
     if not isinstance(module, _CheckpointedModule):
         module.__class__ = _checkpointed_class(type(module))
     return module
+
+
+def refuse_checkpointed_modules(blocks: list[tuple[str, torch.nn.Module]]) -> None:
+    """Raise ``UsageError`` naming the first of ``blocks`` (name, module) that
+    ``checkpoint_module`` checkpoints: a segment cannot hold one. Its region wraps the block's
+    whole call, the segment's hooks included, so the segment would open inside it in the
+    forward pass and around it in the recomputation; the two would save differently. (A
+    module inside a block nests as any region does; one standing aside, while ``profile``
+    measures the model as without its checkpointing, runs as its own class.)"""
+    for name, block in blocks:
+        if isinstance(block, _CheckpointedModule) and not _standing_aside(block):
+            raise UsageError(
+                f"{name!r} is checkpointed by gradckpt.checkpoint_module and a plan's segment "
+                f"would recompute it as well: call gradckpt.uncheckpoint_module on it first "
+                f"(the plan decides what is recomputed), or leave it out of blocks="
+            )
 
 
 def uncheckpoint_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -50,6 +50,7 @@ from ..errors import UsageError
 from .compiled import compiling, lower_for_compile
 from .debug import _debug_state
 from .fates import PolicyLike, resolve_policy
+from .module import refuse_checkpointed_modules
 from .region import _Region
 from .suspension import _register_handle, _standing_aside, _unregister_handle
 from .tensors import detached_like, first_tensor, storage_key
@@ -446,6 +447,9 @@ def checkpoint_segments(
             )
         resolve_policy(policy)
         made.append(_Segment(start, end, policy, name))
+    refuse_checkpointed_modules(
+        [(name, blocks[index]) for (start, end), name in zip(segments, names, strict=True)
+         for index in range(start, end + 1)])
     for first in made:
         for second in made:
             if first is second:
