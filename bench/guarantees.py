@@ -494,6 +494,24 @@ CASES = [
                'plan = gradckpt.solve(gradckpt.profile(other, sample, optimizer="none"), '
                'strategy="every-layer")',
          given="`plan`: every layer of a TinyGPT of 3 blocks"),
+    Case("plan-before-wrapping", "a plan made before the model was wrapped (PEFT, DDP)", "gpt",
+         "gradckpt.apply(wrapped, plan)",
+         ["tests/test_apply_other_model.py::test_a_plan_on_another_model_says_how_it_differs"],
+         setup='plan = gradckpt.solve(gradckpt.profile(model, sample, optimizer="none"), '
+               'strategy="every-layer")\n'
+               "wrapped = nn.Sequential()\n"
+               "wrapped.add_module('module', model)",
+         given="`plan`: every layer of the model; `wrapped`: the model inside a wrapper "
+               "(`wrapped.module`)"),
+    Case("module-in-a-segment", "a block both checkpointed as a module and in a plan's segment",
+         "gpt", "gradckpt.apply(model, plan)",
+         ["tests/test_apply_fuzz.py::"
+          "test_a_block_of_a_planned_segment_cannot_also_be_checkpointed_as_a_module"],
+         setup='plan = gradckpt.solve(gradckpt.profile(model, sample, optimizer="none"), '
+               'strategy="every-layer")\n'
+               "gradckpt.checkpoint_module(model.transformer.h[0])",
+         given="`plan`: every layer; block `transformer.h.0` checkpointed with "
+               "`gradckpt.checkpoint_module`"),
     Case("not-a-plan", "something else than a plan", "gpt",
          'gradckpt.apply(model, "every-layer")', ["tests/test_apply.py::test_apply_needs_a_plan"]),
     Case("enable-twice", "`enable` on a model that carries a plan", "gpt",
@@ -521,6 +539,26 @@ CASES = [
                "def changes_each_call(x):\n"
                "    calls.append(1)\n"
                "    return model(x) if len(calls) == 1 else model(x[:2])"),
+    Case("nondeterministic-block", "a block that recomputes otherwise (data-dependent shapes "
+         "from state no replay restores)", "linear",
+         'gradckpt.enable(chain, sample, budget=None, strategy="every-layer", '
+         'optimizer="none", blocks=list(chain))',
+         ["tests/test_enable_nondeterministic_block.py::"
+          "test_enable_names_the_block_that_recomputes_otherwise_and_changes_nothing",
+          "tests/test_enable_nondeterministic_block.py::"
+          "test_a_planned_step_names_the_block_that_recomputes_otherwise"],
+         given="`chain`: `model` then a block keeping the rows above a threshold that moves "
+               "with a Python call counter",
+         setup="class RowsByCallCount(nn.Module):\n"
+               "    def __init__(self):\n"
+               "        super().__init__()\n"
+               "        self.linear = nn.Linear(8, 8)\n"
+               "        self.calls = 0\n"
+               "    def forward(self, x):\n"
+               "        self.calls += 1\n"
+               "        rows = x[:, 0] > (self.calls % 3) * 0.5 - 0.5\n"
+               "        return x * self.linear(x[rows]).mean()\n"
+               "chain = nn.Sequential(model, RowsByCallCount())"),
     # Warnings: the call goes on.
     Case("transformers-checkpointing-on", "Transformers' own checkpointing on, then `enable`",
          "llama", 'gradckpt.enable(model, sample, budget=None, strategy="every-layer", '
