@@ -28,9 +28,11 @@ __all__ = ["MODELED_TIMES", "PLANNED_POLICY", "BlockProfile", "ChunkedHead", "Op
 PLANNED_POLICY = "save-matmuls"  # a preset of gradckpt.engine.fates
 
 MODELED_TIMES = "times_modeled"
-"""``Profile.notes`` key, True where the times were read on a modeled clock (``estimate``):
-the same operations take the same time, so the solvers compare them exactly (no timing noise
-to allow for: ``solvers.timing_noise``)."""
+"""``Profile.notes`` key that ``profile`` sets: True where the times were read on a modeled
+clock (``estimate``: the same operations take the same time), False where they were measured on
+the wall's. Only measured times carry noise for the solvers to allow for
+(``solvers.timing_noise``); a profile without the note (made by hand, or saved before it) is
+compared exactly too."""
 """The operation-level policy plans choose from: ``profile`` measures each block under it, and
 the optimal solver weighs a segment under it against recomputing everything."""
 

@@ -44,8 +44,7 @@ def estimated() -> Profile:
 def profile(estimated: Profile) -> Profile:
     """The estimate standing for a measured profile: its times are what measuring would give
     without noise, and the noise the tests add is what a measured profile's times carry."""
-    notes = {key: value for key, value in estimated.notes.items() if key != MODELED_TIMES}
-    return dataclasses.replace(estimated, notes=notes)
+    return dataclasses.replace(estimated, notes={**estimated.notes, MODELED_TIMES: False})
 
 
 def budget_at(profile: Profile, fraction: float) -> int:

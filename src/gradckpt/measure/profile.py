@@ -343,7 +343,7 @@ def _measured(
     if modeled:
         plain.notes["blocks_traced_in_steps"] = (stand_ins.kept if stand_ins is not None
                                                  else len(modules))
-        plain.notes[MODELED_TIMES] = True
+    plain.notes[MODELED_TIMES] = modeled
     if isinstance(head, str):
         plain.notes["chunked_head"] = head
         return plain

@@ -96,9 +96,9 @@ def solve(
             predicted extra times, count as the same: the same model and sample give the same
             plan whatever the noise in their timing, ties going to the solver's fixed order
             (docs/planning.md, "Plans are stable under timing noise"). ``None`` (default):
-            ``timing_noise.TIME_NOISE_BAND`` (10%) for a measured profile, 0 for an estimate
-            (a modeled clock times the same operations alike: there is no noise to allow for).
-            ``0``: the least predicted extra time, exactly.
+            ``timing_noise.TIME_NOISE_BAND`` (10%) for a profile measured on this machine's
+            clock, 0 for an estimate (a modeled clock times the same operations alike) or a
+            profile made by hand. ``0``: the least predicted extra time, exactly.
 
     Raises ``UsageError`` for an unknown strategy or a malformed budget, and ``BudgetError``
     when the strategy's plan does not fit the budget: its message and ``minimum_bytes`` give the
@@ -124,8 +124,8 @@ def solve(
             f"unknown strategy {strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
             f"{suggestion}"
         )
-    if time_noise is None:
-        time_noise = 0.0 if profile.notes.get(MODELED_TIMES) else TIME_NOISE_BAND
+    if time_noise is None:  # noise only where the times were measured on the wall's clock
+        time_noise = TIME_NOISE_BAND if profile.notes.get(MODELED_TIMES) is False else 0.0
     if budget is None:
         if strategy in BUDGET_DRIVEN:
             raise UsageError(
