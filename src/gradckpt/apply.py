@@ -112,6 +112,7 @@ def apply(model: nn.Module, plan: Plan) -> None:
                     f"{parent.start}-{parent.end}; put policies on top-level segments only "
                     "(inside another segment the kept outputs live through the whole step)"
                 )
+    # checkpoint_segments refuses them too, but only after the old plan has come off.
     refuse_checkpointed_modules([named_blocks[index] for segment in flat
                                  for index in range(segment.start, segment.end + 1)])
     disable(model)

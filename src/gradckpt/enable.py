@@ -23,13 +23,13 @@ from torch import nn
 from .apply import apply, replacing_plan
 from .budget import check_budget, format_bytes
 from .distributed import agreed_on_every_rank
-from .errors import UsageError, did_you_mean, warn_once
+from .errors import UsageError, warn_once
 from .measure import profile
 from .measure.optimizer_step import check_optimizer
 from .measure.training_state import optimizer_state_bytes
 from .plan import Plan
 from .profile_types import Profile
-from .solvers import BUDGET_DRIVEN, STRATEGIES, check_output_head, solve
+from .solvers import BUDGET_DRIVEN, check_output_head, check_strategy, solve
 
 __all__ = ["check_request", "enable", "plan_and_apply"]
 
@@ -189,10 +189,7 @@ def check_request(budget: int | str | None, strategy: str, output_head: str = "a
         ...
         gradckpt.errors.UsageError: strategy 'optimal' chooses its plan for a budget and ...
     """
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        suggestion = did_you_mean(strategy, STRATEGIES) if isinstance(strategy, str) else ""
-        raise UsageError(f"unknown strategy {strategy!r}; valid strategies: "
-                         f"{', '.join(STRATEGIES)}{suggestion}")
+    check_strategy(strategy)
     check_output_head(output_head)
     if budget is None:  # the fixed strategies' plan, whatever it costs
         if strategy in BUDGET_DRIVEN:

@@ -19,9 +19,11 @@ each of those steps and the plain one, and ``solve`` keeps the plan that fits at
 predicted extra time, the plain head on a tie, then the fewest chunks (``output_head="plain"``
 or ``"chunked"`` narrows the choice).
 
-Times are compared with a band, ``timing_noise.TIME_NOISE_BAND`` (10%): times and plans less
-than that apart are the same, and ties go to each solver's fixed order, so the same model and
-sample give the same plan whatever the noise in their timing (``timing_noise``).
+Times measured on this machine's clock are compared with a band,
+``timing_noise.TIME_NOISE_BAND`` (10%): times and plans less than that apart are the same, and
+ties go to each solver's fixed order, so the same model and sample give the same plan whatever
+the noise in their timing (``timing_noise``); an estimate's times, and a hand-made profile's,
+are compared exactly.
 
 Example:
     >>> from gradckpt.profile_types import Profile, example_block
@@ -48,7 +50,8 @@ from .none import solve_none
 from .sqrt import solve_sqrt
 from .timing_noise import TIME_NOISE_BAND, settle_times
 
-__all__ = ["STRATEGIES", "BUDGET_DRIVEN", "OUTPUT_HEADS", "check_output_head", "solve"]
+__all__ = ["STRATEGIES", "BUDGET_DRIVEN", "OUTPUT_HEADS", "check_output_head", "check_strategy",
+           "solve"]
 
 Solver = Callable[[Profile, "int | None"], "list[Segment]"]
 
@@ -118,12 +121,7 @@ def solve(
         ...
         gradckpt.errors.BudgetError: budget 1.03 KiB is below the smallest peak any plan ...
     """
-    if strategy not in STRATEGIES:
-        suggestion = did_you_mean(strategy, STRATEGIES) if isinstance(strategy, str) else ""
-        raise UsageError(
-            f"unknown strategy {strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
-            f"{suggestion}"
-        )
+    check_strategy(strategy)
     if time_noise is None:  # noise only where the times were measured on the wall's clock
         time_noise = TIME_NOISE_BAND if profile.notes.get(MODELED_TIMES) is False else 0.0
     if budget is None:
@@ -159,6 +157,23 @@ def solve(
     chosen = next(plan for plan in fitting
                   if plan.predicted_extra_seconds <= least * (1 + time_noise))
     return plan_for(profile, strategy, budget_bytes, chosen.segments, chosen.head_chunks)
+
+
+def check_strategy(strategy: str) -> None:
+    """Raise ``UsageError`` naming the valid strategies (and the one a misspelt name is close
+    to) unless ``strategy`` is one of ``STRATEGIES``.
+
+    Example:
+        >>> check_strategy("sqrt")
+        >>> check_strategy("optimial")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: unknown strategy 'optimial'; ...; did you mean 'optimal'?
+    """
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        suggestion = did_you_mean(strategy, STRATEGIES) if isinstance(strategy, str) else ""
+        raise UsageError(f"unknown strategy {strategy!r}; valid strategies: "
+                         f"{', '.join(STRATEGIES)}{suggestion}")
 
 
 def check_output_head(output_head: str) -> None:
