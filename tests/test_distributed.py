@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from multiprocess import answer, join_group, run_ranks
+from gloo_ranks import answer, join_group, run_ranks
 
 import gradckpt
 

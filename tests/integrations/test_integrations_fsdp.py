@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import WORLD, answer, join_group, run_ranks
+from gloo_ranks import WORLD, answer, join_group, run_ranks
 
 import gradckpt
 

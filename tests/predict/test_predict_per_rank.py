@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from multiprocess import free_port
+from gloo_ranks import free_port
 from torch import nn
 
 import gradckpt
