@@ -256,6 +256,12 @@ class GradckptCallback(transformers.TrainerCallback):
         if max_length is not None:
             pad_token_id = _pad_token_id(collator, processing_class, model)
             sample = _padded(sample, max_length, pad_token_id)
+        if isinstance(sample, Mapping) and _has_trl_fused_head(model):
+            # trl's SFTTrainer computes the loss through the fused head it patched onto the
+            # model: its compute_loss calls model(**batch, fused_lm_head=True), whose memory is
+            # not the plain forward's (on CPU a chunk of 32768 positions' logits, 8 MiB at a
+            # vocabulary of 64). The step planned for must be that call.
+            sample = {"fused_lm_head": True, **sample}
         return sample
 
 
@@ -393,6 +399,18 @@ def _collator_of(train_dataloader: Any) -> Any:
     while getattr(collator, "data_collator", None) is not None:
         collator = collator.data_collator
     return collator
+
+
+def _has_trl_fused_head(model: nn.Module) -> bool:
+    """Whether trl's ``add_fused_lm_head`` patched a forward in ``model`` (SFTTrainer does, on
+    the model under PEFT's wrapper): an instance ``forward`` taking ``fused_lm_head``. Read from
+    the code object, as the patch wraps the class's forward (``inspect.signature`` shows that)."""
+    for module in model.modules():
+        code = getattr(getattr(vars(module).get("forward"), "__func__", None), "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames[
+                : code.co_argcount + code.co_kwonlyargcount]:
+            return True
+    return False
 
 
 def _pad_token_id(collator: Any, processing_class: Any, model: nn.Module) -> int:
