@@ -1,7 +1,8 @@
 """Identical blocks traced once (``gradckpt.measure.stand_ins``): on fake tensors, a long chain's
-steps run with its first blocks only and are put together as the whole chain's; every field of
-the profile comes out as tracing every block gives it, and as ``profile`` measures it; chains
-whose blocks compute otherwise are traced whole."""
+steps run with its first blocks only and are put together as the whole chain's (the chunked
+head's steps with the first block alone, ``head_splice``); every field of the profile comes out
+as tracing every block gives it, and as ``profile`` measures it; chains whose blocks compute
+otherwise are traced whole."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 import gradckpt
 from gradckpt.integrations.hf_families import causal_batch, hf_model
 from gradckpt.measure import stand_ins
+from gradckpt.measure.head_splice import head_replaced
 from gradckpt.measure.step_memory import Mark, StepMemory
 from gradckpt.toy_models import GPTConfig, TinyGPT
 
@@ -60,6 +62,10 @@ CASES = {
     # gradient, so it is a kind of its own.
     "lora": lambda: (_lora(_llama(7, attention_dropout=0.0)), _meta_batch(),
                      {"device": "rtx4090", "optimizer": "adamw"}),
+    # The head tied to the embedding, fully fine-tuned: its weight's gradient is summed with
+    # the embedding's after the chain's backward.
+    "tied": lambda: (hf_model("qwen2", num_hidden_layers=7, tie_word_embeddings=True),
+                     _meta_batch(), {"device": "h100-80gb", "optimizer": "adamw"}),
     # Attention dropout (the math path on a GPU target), the loop dropping its output.
     "gpt2": lambda: (hf_model("gpt2", n_layer=6), _meta_batch(),
                      {"device": "a100-80gb", "keep_output": False}),
@@ -163,6 +169,27 @@ def test_marks_that_are_not_a_chains_do_not_splice() -> None:
                     Mark("head", None, "forward", 0, 0, 0.0, 0)]
     with pytest.raises(stand_ins.NotSpliceable, match="not a chain's"):
         stand_ins.splice(memory, stand_ins.KEPT, 8)
+
+
+def test_a_head_stretch_is_spliced_only_between_the_chains_output_and_its_gradient() -> None:
+    def step(*marks: Mark) -> StepMemory:
+        memory = StepMemory(nn.Linear(1, 1), nn.Linear(1, 1), torch.device("cpu"))
+        memory.marks, memory.trace = list(marks), [0] * marks[-1].operations
+        return memory
+
+    before, head = Mark("forward", None, "before", 0, 0, 0.0, 1), Mark(
+        "head", None, "forward", 0, 0, 0.0, 2)
+    plain = step(before, head, Mark("backward", None, "head", 0, 0, 0.0, 3))
+    # a block's mark inside the head's stretch: it is not the head alone
+    other = step(before, head, Mark("forward", 1, "head", 0, 0, 0.0, 3),
+                 Mark("backward", None, "head", 0, 0, 0.0, 4))
+    with pytest.raises(stand_ins.NotSpliceable, match="head's stretch"):
+        head_replaced(plain, other)
+    # more operations before the chain: the steps differ there
+    longer = step(Mark("forward", None, "before", 0, 0, 0.0, 2), Mark(
+        "head", None, "forward", 0, 0, 0.0, 3), Mark("backward", None, "head", 0, 0, 0.0, 4))
+    with pytest.raises(stand_ins.NotSpliceable, match="differ before the chain"):
+        head_replaced(plain, longer)
 
 
 def test_only_long_chains_of_blocks_built_alike_stand_in() -> None:

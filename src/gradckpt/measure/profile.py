@@ -49,6 +49,7 @@ from . import clock
 from .chain import resolve_blocks
 from .device import infer_device
 from .fingerprint import BLOCK_FINGERPRINTS, CHAIN_LENGTHS, chain_fingerprint
+from .head_splice import head_replaced
 from .host_link import host_link_notes
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .one_block import measure_block
@@ -218,17 +219,34 @@ def _measured(
         def tracked() -> list[Any]:
             return [model, *tensors_in(sample), *tensors_in(out.output)]
 
-        def metered() -> tuple[StepMemory, float]:
+        # With blocks standing in, a step can run with its first block alone where the loss
+        # then still needs a gradient (the first block's output does).
+        first_output = calls[1].leaves[calls[1].hidden] if len(calls) > 1 else None
+        first_alone = (stand_ins.first_alone if stand_ins is not None and first_output
+                       is not None and first_output.requires_grad else None)
+        kept_plain: list[tuple[StepMemory, float]] = []  # the plain step of the kept blocks
+
+        def metered(head_differs: bool = False) -> tuple[StepMemory, float]:
             """One step under the meter, from no gradients, and its seconds; with blocks
-            standing in, as the whole chain has them."""
+            standing in, as the whole chain has them. ``head_differs``: the step differs from
+            the plain one metered first in its output head alone, which is all that runs
+            again there (``head_splice``)."""
             model.zero_grad(set_to_none=True)  # the memory at the start has no gradients
-            memory = (stand_ins.step_memory(device) if stand_ins is not None
-                      else StepMemory(modules[0], modules[-1], device))
-            start = clock.now()
-            memory.measure(step, tracked())
-            seconds = clock.now() - start
-            if stand_ins is None:
-                return memory, seconds
+            if head_differs and kept_plain and first_alone is not None:
+                run = StepMemory(modules[0], modules[-1], device, marked=modules[:1])
+                with first_alone():
+                    run.measure(step, tracked())
+                memory, seconds_change = head_replaced(kept_plain[0][0], run)
+                seconds = kept_plain[0][1] + seconds_change
+            else:
+                memory = (stand_ins.step_memory(device) if stand_ins is not None
+                          else StepMemory(modules[0], modules[-1], device))
+                start = clock.now()
+                memory.measure(step, tracked())
+                seconds = clock.now() - start
+                if stand_ins is None:
+                    return memory, seconds
+                kept_plain.append((memory, seconds))
             memory, added_seconds = splice(memory, stand_ins.kept, len(modules))
             return memory, seconds + added_seconds
 
@@ -273,16 +291,13 @@ def _measured(
                 steps += more_steps
 
             def previous_step() -> torch.Tensor:
-                # Its output alone counts: the first block's forward is enough, where the
-                # loss then still needs a gradient (its output does).
-                first_output = calls[1].leaves[calls[1].hidden] if len(calls) > 1 else None
-                with (stand_ins.first_alone() if stand_ins is not None and first_output
-                      is not None and first_output.requires_grad else contextlib.nullcontext()):
+                # Its output alone counts: the first block's forward is enough.
+                with first_alone() if first_alone is not None else contextlib.nullcontext():
                     return step()
 
             head = measure_chunked_head(
-                model, head, step, output_bytes, metered, modules[-1], device, repeats, expect,
-                plain, previous_step)
+                model, head, step, output_bytes, lambda: metered(head_differs=True),
+                modules[-1], device, repeats, expect, plain, previous_step)
         whole_steps.close()
         out.output = None
         optimizer_step = measure_optimizer_step(
