@@ -38,10 +38,10 @@ def test_the_page_has_an_example_per_path() -> None:
     titles = [_title(block) for block in BLOCKS]
     for path in ("A plain training loop", "The Trainer", "PEFT and LoRA on a frozen base",
                  "`TrainingArguments(gradient_checkpointing=True)` and "
-                 "`gradient_checkpointing_enable()`", "torch.compile"):
+                 "`gradient_checkpointing_enable()`", "torch.compile", "TRL `SFTTrainer`"):
         assert path in titles, titles
     scripts = [_title(script) for script in SCRIPTS]
-    for path in ("DDP and torchrun", "FSDP2"):
+    for path in ("More than one process (torchrun)", "DDP and torchrun", "FSDP2"):
         assert path in scripts, scripts
 
 
