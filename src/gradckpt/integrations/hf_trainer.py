@@ -77,7 +77,8 @@ class GradckptCallback(transformers.TrainerCallback):
        ``attention_mask``, ``token_type_ids`` and the rest with 0. Longer tensors are left as
        they are. A ``sample`` passed here is used as given, padded only to a ``max_length``
        passed here. With a data loader whose iteration cannot be repeated (a stream read once),
-       pass ``sample=``;
+       pass ``sample=``. Under trl's ``SFTTrainer``, whose ``compute_loss`` calls the model with
+       ``fused_lm_head=True`` (the fused head trl adds to it), the batch gets that key too;
     2. plans through ``gradckpt.enable``'s code, in training mode, for the step the Trainer
        runs once under way: its optimizer's state and step (its ``args.optim`` when it has
        none yet), its ``gradient_accumulation_steps``, the output dropped before backward as
