@@ -16,6 +16,7 @@ from torch import nn
 
 import gradckpt
 from gradckpt.measure import find_blocks, resolve_blocks
+from gradckpt.side_by_side import compare_plans
 from gradckpt.toy_models import GPTConfig, TinyGPT, mlp_chain, small_cnn
 
 transformers = pytest.importorskip("transformers")
@@ -502,6 +503,330 @@ def test_no_chain_is_a_usage_error_explaining_blocks(model: nn.Module) -> None:
 def test_find_blocks_needs_a_module() -> None:
     with pytest.raises(gradckpt.UsageError, match="needs a torch.nn.Module, got str"):
         find_blocks("model.layers")
+
+
+# --------------------------------------------------------------------------------------------
+# Lists of several classes, stacks that do not run, lists run interleaved
+# --------------------------------------------------------------------------------------------
+
+
+class MixerLayer(nn.Module):
+    """A residual layer: attention-like (mixes positions) where ``mixing``, else recurrent-like
+    (a running sum over positions); a context (an image's states) added where given and
+    ``cross``."""
+
+    def __init__(self, width: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.inner = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.tanh(self.inner(x))
+        h = h.cumsum(dim=1) if self.kind == "recurrent" else h.softmax(dim=1) * h
+        if context is not None:
+            h = h + context.mean(dim=1, keepdim=True)
+        return x + self.out(h)
+
+
+class AttentionLayer(MixerLayer):
+    def __init__(self, width: int) -> None:
+        super().__init__(width, "attention")
+
+
+class RecurrentLayer(MixerLayer):
+    def __init__(self, width: int) -> None:
+        super().__init__(width, "recurrent")
+
+
+class CrossAttentionLayer(MixerLayer):
+    def __init__(self, width: int) -> None:
+        super().__init__(width, "attention")
+
+
+class HybridModel(nn.Module):
+    """Like Jamba, OLMo-hybrid or Mllama's text model: layers of several classes in one list,
+    per-codebook heads of several classes beside it; cross-attention layers run only given
+    an image's states (``context``)."""
+
+    def __init__(self, kinds: str = "ARAR", width: int = 16) -> None:
+        super().__init__()
+        classes = {"A": AttentionLayer, "R": RecurrentLayer, "C": CrossAttentionLayer}
+        self.embed = nn.Embedding(10, width)
+        self.layers = nn.ModuleList([classes[kind](width) for kind in kinds])
+        self.heads = nn.ModuleList([nn.Linear(width, 4), nn.Bilinear(width, width, 4)])
+
+    def forward(self, idx: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            if isinstance(layer, CrossAttentionLayer):
+                if context is None:
+                    continue  # text only: the cross-attention layers are skipped
+                x = layer(x, context)
+            else:
+                x = layer(x)
+        return self.heads[0](x)
+
+
+def tokens(batch: int = 2, length: int = 6) -> torch.Tensor:
+    return torch.randint(0, 10, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def trains_as_the_plain_model(model: nn.Module, sample: object, **enable_kwargs) -> list[str]:
+    """Plan ``model`` with ``gradckpt.enable`` at 60% (or the least feasible budget), train one
+    step with the plan and one without: gradients bit for bit equal (the loss computed whole,
+    ``output_head="plain"``), the plan's measured peak within its budget + 3%. The plan's
+    blocks."""
+    try:
+        plan = gradckpt.enable(model, sample, budget="60%", optimizer="none",
+                               output_head="plain", **enable_kwargs)
+    except gradckpt.BudgetError as error:
+        plan = gradckpt.solve(error.profile, error.minimum_bytes)
+    gradckpt.disable(model)
+    result = compare_plans(model, sample, {"plain": None, "gradckpt": plan}, rounds=0)
+    assert result.identical("gradckpt"), result.largest_difference("gradckpt")
+    assert result.peak_bytes["gradckpt"] <= plan.budget_bytes * 1.03
+    return list(plan.block_names)
+
+
+def test_a_list_of_several_classes_that_is_the_main_stack_is_the_chain() -> None:
+    # Rule 1: the layers are the chain, each whole, in their order; the heads (two classes,
+    # side by side, a few parameters) are not.
+    model = HybridModel("ARAR")
+    expected = [f"layers.{i}" for i in range(4)]
+    assert names(find_blocks(model)) == expected
+    assert names(find_blocks(model, sample=tokens())) == expected
+    torch.manual_seed(0)
+    assert trains_as_the_plain_model(model, tokens()) == expected
+
+
+class HybridMoELayer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mixer = AttentionLayer(width)
+        self.moe = MixtureOfExperts(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.mixer(x))
+
+
+def test_stacks_inside_the_blocks_of_a_list_of_several_classes_are_part_of_them() -> None:
+    # Rule 2: each layer's experts (a stack of one class) belong to it.
+    model = HybridModel("AR")
+    model.layers.append(HybridMoELayer(16))
+    assert names(find_blocks(model)) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_a_list_of_several_classes_smaller_than_a_stack_is_left_out() -> None:
+    model = MoEModel(width=16, depth=3)
+    model.adapters = nn.ModuleList([nn.Linear(16, 16), nn.Conv1d(16, 16, 1)])  # 2 classes, small
+    assert names(find_blocks(model)) == ["layers.0", "layers.1", "layers.2"]
+
+
+class OneLayerWithAnMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def test_a_sequential_of_several_classes_inside_a_model_is_no_chain() -> None:
+    # An MLP's pipeline is not the model's chain of layers: only the model itself counts
+    # (rule 5).
+    with pytest.raises(gradckpt.UsageError, match="found no chain of blocks in OneLayerWithAnMLP"):
+        find_blocks(OneLayerWithAnMLP())
+
+
+def test_layers_of_a_class_that_does_not_run_on_the_sample_are_left_out() -> None:
+    # Cross-attention layers skipped on text: without a sample they are in the chain; on a
+    # text sample they are left out (they run only given an image's states); with the image's
+    # states they run, in place.
+    model = HybridModel("ACAC")
+    assert names(find_blocks(model)) == [f"layers.{i}" for i in range(4)]
+    assert names(find_blocks(model, sample=tokens())) == ["layers.0", "layers.2"]
+    with_image = {"idx": tokens(), "context": torch.randn(2, 3, 16)}
+    assert names(find_blocks(model, sample=with_image)) == [f"layers.{i}" for i in range(4)]
+    measured = gradckpt.profile(model, tokens(), repeats=1)
+    assert [block.name for block in measured.blocks] == ["layers.0", "layers.2"]
+    torch.manual_seed(0)
+    assert trains_as_the_plain_model(model, tokens()) == ["layers.0", "layers.2"]
+
+
+class SkipsOneCrossAttentionLayer(HybridModel):
+    def forward(self, idx: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(idx)
+        for index, layer in enumerate(self.layers):
+            if index != 3:
+                x = layer(x, context) if isinstance(layer, CrossAttentionLayer) else layer(x)
+        return x.sum(dim=-1)
+
+
+def test_a_class_of_layers_that_runs_partly_is_named() -> None:
+    model = SkipsOneCrossAttentionLayer("ACAC")
+    sample = {"idx": tokens(), "context": torch.randn(2, 3, 16)}
+    with pytest.raises(gradckpt.UsageError, match=r"blocks \['layers.3'\] did not run"):
+        find_blocks(model, sample=sample)
+    with pytest.raises(gradckpt.UsageError, match=r"blocks \[3\] did not run .*\(layers.3\)"):
+        gradckpt.profile(model, sample, repeats=1)
+    assert no_forward_hooks(model)
+
+
+class Towers(nn.Module):
+    """A multimodal model: a vision tower that runs only given pixels, then a language model."""
+
+    def __init__(self, vision_width: int, width: int = 16) -> None:
+        super().__init__()
+        self.vision = nn.ModuleList(
+            [nn.TransformerEncoderLayer(vision_width, 2, 2 * vision_width, dropout=0.0,
+                                        batch_first=True) for _ in range(2)])
+        self.project = nn.Linear(vision_width, width)
+        self.embed = nn.Embedding(10, width)
+        self.text = nn.ModuleList([AttentionLayer(width) for _ in range(3)])
+
+    def forward(self, idx: torch.Tensor, pixels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(idx)
+        if pixels is not None:
+            for layer in self.vision:
+                pixels = layer(pixels)
+            x = torch.cat([self.project(pixels), x], dim=1)
+        for layer in self.text:
+            x = layer(x)
+        return x.sum(dim=-1)
+
+
+TEXT_LAYERS = ["text.0", "text.1", "text.2"]
+VISION_LAYERS = ["vision.0", "vision.1"]
+
+
+def test_a_tower_that_does_not_run_on_the_sample_is_left_out() -> None:
+    model = Towers(vision_width=16)  # both towers chosen by structure (rule 3)
+    assert names(find_blocks(model)) == VISION_LAYERS + TEXT_LAYERS
+    assert names(find_blocks(model, sample=tokens())) == TEXT_LAYERS
+    with_pixels = {"idx": tokens(), "pixels": torch.randn(2, 4, 16)}
+    assert names(find_blocks(model, sample=with_pixels)) == VISION_LAYERS + TEXT_LAYERS
+    measured = gradckpt.profile(model, tokens(), repeats=1)
+    assert [block.name for block in measured.blocks] == TEXT_LAYERS
+    torch.manual_seed(0)
+    assert trains_as_the_plain_model(model, tokens()) == TEXT_LAYERS
+
+
+def test_the_stack_chosen_among_those_that_run() -> None:
+    # The vision tower holds ten times the language model's parameters: by structure it is
+    # the chain alone. On text, the language model's layers are chosen among the stacks that
+    # ran; profile(), which records with the structure's blocks, says which to pass.
+    model = Towers(vision_width=64)
+    assert names(find_blocks(model)) == VISION_LAYERS
+    assert names(find_blocks(model, sample=tokens())) == TEXT_LAYERS
+    with pytest.raises(gradckpt.UsageError) as error:
+        gradckpt.profile(model, tokens(), repeats=1)
+    message = str(error.value)
+    assert "blocks [0, 1] did not run in the model's forward pass on this sample" in message
+    assert "(vision.0, vision.1)" in message and "pass blocks='text'" in message
+    assert names(resolve_blocks(model, "text")) == TEXT_LAYERS
+    assert no_forward_hooks(model)
+
+
+def test_a_sample_on_which_no_stack_runs_is_an_error() -> None:
+    model = Towers(vision_width=16)
+    model.forward = lambda idx: model.embed(idx).sum(dim=-1)  # neither tower runs
+    with pytest.raises(gradckpt.UsageError, match=r"blocks \['vision.0', 'vision.1', 'text.0'"):
+        find_blocks(model, sample=tokens())
+    with pytest.raises(gradckpt.UsageError, match=r"blocks \[0, 1, 2, 3, 4\] did not run"):
+        gradckpt.profile(model, tokens(), repeats=1)
+
+
+class ParallelLists(nn.Module):
+    """Like XLM: attention and feed-forward layers (and their norms) in parallel lists, run
+    interleaved in one loop, a residual and a norm between them; with ``chained``, each block
+    takes the previous one's output instead."""
+
+    def __init__(self, width: int = 16, depth: int = 3, chained: bool = False) -> None:
+        super().__init__()
+        self.chained = chained
+        self.embed = nn.Embedding(10, width)
+        self.attentions = nn.ModuleList([AttentionLayer(width) for _ in range(depth)])
+        self.norms = nn.ModuleList([nn.LayerNorm(width) for _ in range(depth)])
+        self.ffns = nn.ModuleList(
+            [nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+             for _ in range(depth)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for attention, norm, ffn in zip(self.attentions, self.norms, self.ffns, strict=True):
+            x = ffn(attention(x)) if self.chained else norm(x + ffn(attention(x) * 0.5))
+        return x.sum(dim=-1)
+
+
+def test_lists_run_interleaved_that_are_no_chain_are_refused_before_planning() -> None:
+    model = ParallelLists()
+    # Structure alone cannot tell: the two lists, in creation order.
+    assert names(find_blocks(model)) == [f"attentions.{i}" for i in range(3)] + [
+        f"ffns.{i}" for i in range(3)]
+    with pytest.raises(gradckpt.UsageError) as error:
+        find_blocks(model, sample=tokens())
+    message = str(error.value)
+    assert "blocks of several lists, attentions, ffns, run interleaved" in message
+    assert "'ffns.0' does not take the previous block's output" in message
+    assert "blocks='ffns'" in message
+    assert no_forward_hooks(model)
+    before = snapshot(model)
+    for run in (lambda: gradckpt.profile(model, tokens(), repeats=1),
+                lambda: gradckpt.enable(model, tokens(), budget="60%", optimizer="none")):
+        with pytest.raises(gradckpt.UsageError, match="run interleaved"):
+            run()
+        assert gradckpt.get_plan(model) is None
+    assert_same_state(before, snapshot(model))
+    # What the message offers: one of the lists, its blocks checkpointed one by one.
+    torch.manual_seed(0)
+    assert trains_as_the_plain_model(model, tokens(), blocks="ffns") == [
+        f"ffns.{i}" for i in range(3)]
+
+
+def test_lists_run_interleaved_that_are_a_chain_come_in_run_order() -> None:
+    model = ParallelLists(chained=True)
+    expected = [name for i in range(3) for name in (f"attentions.{i}", f"ffns.{i}")]
+    assert names(find_blocks(model, sample=tokens())) == expected
+    torch.manual_seed(0)
+    assert trains_as_the_plain_model(model, tokens()) == expected
+
+
+def tiny_mllama_text(layers: int = 4) -> nn.Module:
+    """Mllama's language model: self-attention layers and, at ``cross_attention_layers``,
+    cross-attention layers, of two classes in one ``model.layers``."""
+    config = transformers.MllamaTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[1],
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        use_cache=False)
+    torch.manual_seed(0)
+    return transformers.MllamaForCausalLM(config).train()
+
+
+def test_mllama_text_model_trains_over_its_self_attention_layers() -> None:
+    model = tiny_mllama_text()
+    layers = [f"model.layers.{i}" for i in range(4)]
+    assert names(find_blocks(model)) == layers
+    assert [type(module).__name__ for _, module in find_blocks(model)][:2] == [
+        "MllamaSelfAttentionDecoderLayer", "MllamaCrossAttentionDecoderLayer"]
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    sample = {"input_ids": ids, "labels": ids}
+    text_layers = [name for name in layers if name != "model.layers.1"]  # no image: skipped
+    assert names(find_blocks(model, sample=sample)) == text_layers
+    torch.manual_seed(0)
+    assert trains_as_the_plain_model(model, sample) == text_layers
+
+
+def test_xlm_parallel_lists_are_refused_with_what_was_found() -> None:
+    config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=2,
+                                    max_position_embeddings=64)
+    model = transformers.XLMWithLMHeadModel(config).train()
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(gradckpt.UsageError, match=r"blocks of several lists, "
+                       r"transformer\.attentions, transformer\.ffns, run interleaved"):
+        gradckpt.enable(model, {"input_ids": ids, "labels": ids}, budget="60%", optimizer="none")
+    assert no_forward_hooks(model)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,12 +8,20 @@ models hold that chain in one container, so ``find_blocks`` looks for it there:
    one class (``model.layers`` of Llama, ``transformer.h`` of GPT-2, ``encoder.layer`` of BERT).
    The model itself counts when it is such a container. A module wrapped by
    ``gradckpt.checkpoint_module`` counts as its original class.
+   An ``nn.ModuleList`` of 2 or more modules of *several* classes (a hybrid model's layers:
+   attention and linear-attention or state-space layers, or cross-attention layers between
+   self-attention ones, in one ``model.layers``) is a stack too when it is the *main* one: it
+   holds more parameters than every one-class stack outside it. Its children are the blocks,
+   each layer whole (an attention layer with its feed-forward). Smaller lists of several
+   classes are parts of something else (the sub-layers of a T5 block); an ``nn.Sequential`` of
+   several classes inside a model is most often a small pipeline (an MLP, a classifier head)
+   and counts only as the model itself (rule 5).
 2. Only the outermost stacks count: a stack inside another stack's blocks (the list of sub-layers
    inside a T5 block, the experts inside a mixture-of-experts layer) is part of those blocks.
 3. The *main* stack is the one whose blocks hold the most parameters. Every other stack is
    returned too when it holds at least a tenth of the main stack's parameters, so that
    encoder-decoder models (T5, BART, Whisper) give their encoder's and their decoder's layers,
-   or when its blocks are of the main stack's class, so that a ResNet gives all four of its
+   or when its blocks are of the main stack's classes, so that a ResNet gives all four of its
    stages although the early ones hold few parameters (they hold most of the activations). Small
    lists of other modules beside the main stack (per-codebook embeddings or output heads, which
    run side by side rather than one after another) are left out.
@@ -22,16 +30,30 @@ models hold that chain in one container, so ``find_blocks`` looks for it there:
    the execution order, encoder first (the tests check it by running the models). Nothing but
    running the model can tell the order of stacks that are not one after another in the code:
    CLIP creates its text tower first but runs its vision tower first. Given a ``sample``,
-   ``find_blocks`` runs the forward pass once without grad, with a forward pre-hook on each
-   block, and returns the blocks in the order they first ran; the model's buffers and the RNG
-   state are put back afterwards. A block that does not run on the sample raises ``UsageError``.
+   ``find_blocks`` runs the forward pass once without grad, with a forward pre-hook on the
+   blocks of every stack, and returns the blocks in the order they first ran; the model's
+   buffers and the RNG state are put back afterwards. Rules 1-3 then choose among the stacks
+   that ran: a whole stack that does not run on the sample (the vision tower of a multimodal
+   model given text only) is left out, and so are the layers of one class in a list of several
+   when none of them runs (Mllama's cross-attention layers, given no image). A stack that runs
+   only partly (some of its blocks of one class run, some not) raises ``UsageError`` naming
+   the blocks that did not run, and so does a sample on which no stack runs. ``profile`` (and
+   so ``enable``) applies the same rule to the blocks of the step it records, and where none
+   of them ran names the stacks that ``find_blocks`` finds running.
 5. No stack, but the model itself is an ``nn.Sequential`` of 2 or more children of different
    classes (``Linear, ReLU, Linear``): its children are the chain, since a Sequential runs them
    one after another by definition.
 
-Anything else (a single layer, blocks in an ``nn.ModuleDict``, the layers of a hybrid model kept
-in one list but of several classes) raises ``UsageError``; pass the chain yourself as ``blocks=``,
-which ``resolve_blocks`` checks and turns into ``(name, module)`` pairs.
+Run on a sample, the blocks of two or more lists can turn out to run *interleaved*: XLM keeps
+its attention layers, feed-forward layers and layer norms in parallel lists and runs
+``attentions[i]``, then ``ffns[i]``, then ``attentions[i + 1]``. Where each block takes the one
+before's output they are still a chain, in run order. Where they do not (XLM adds a residual
+and a layer norm between them), they are no chain that can be cut into segments, and
+``UsageError`` names the lists before any block is measured or checkpointed.
+
+Anything else (a single layer, blocks in an ``nn.ModuleDict``) raises ``UsageError``; pass the
+chain yourself as ``blocks=``, which ``resolve_blocks`` checks and turns into ``(name, module)``
+pairs.
 
 Example:
     >>> import torch
@@ -40,6 +62,11 @@ Example:
     >>> model = TinyGPT(GPTConfig(n_layer=3, n_embd=32, n_head=2))
     >>> [name for name, _ in find_blocks(model)]
     ['transformer.h.0', 'transformer.h.1', 'transformer.h.2']
+    >>> hybrid = torch.nn.Module()  # layers of several classes in one list (rule 1)
+    >>> hybrid.layers = torch.nn.ModuleList(
+    ...     [torch.nn.Linear(8, 8), torch.nn.GRU(8, 8), torch.nn.Linear(8, 8)])
+    >>> [name for name, _ in find_blocks(hybrid)]
+    ['layers.0', 'layers.1', 'layers.2']
 """
 
 from __future__ import annotations
@@ -52,6 +79,8 @@ import torch
 from torch import nn
 
 from ..ecosystem_hooks import ecosystem_hooks_on
+from ..engine import first_tensor
+from ..engine.segments import is_alias
 from ..errors import UsageError, did_you_mean
 from .model_state import buffers_and_rng_preserved
 from .step import run_model
@@ -84,7 +113,9 @@ def find_blocks(model: nn.Module, sample: Any = None) -> list[tuple[str, nn.Modu
     blocks come in the order they first ran. The run leaves no trace: buffers (BatchNorm's
     running statistics) and the CPU and CUDA RNG state are put back, hooks removed, and the
     registered ecosystem hooks (``gradckpt.ecosystem_hooks``: Hugging Face caches off) run
-    meanwhile. Blocks that do not run on the sample raise ``UsageError``, naming them.
+    meanwhile. The stacks are chosen among those that ran (a vision tower given text is left
+    out); blocks of a stack that ran partly raise ``UsageError``, naming them, and so do lists
+    run interleaved that are no chain.
 
     Example:
         >>> import torch
@@ -113,41 +144,57 @@ def find_blocks(model: nn.Module, sample: Any = None) -> list[tuple[str, nn.Modu
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"find_blocks() needs a torch.nn.Module, got {type(model).__name__}")
-    blocks = _blocks_by_structure(model)
     if sample is None:
-        return blocks
-    return _in_run_order(model, blocks, sample)
+        return _blocks_of(_chosen_stacks(model), model)
+    return _blocks_that_run(model, sample)
 
 
-def _blocks_by_structure(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Rules 1-5 of the module docstring: the chain, stacks in creation order."""
-    stacks = _outermost_stacks(model)
-    if stacks:
-        main_name, main_stack = max(stacks, key=lambda item: _parameter_count(item[1]))
-        main_parameters = _parameter_count(main_stack)
-        main_class = _block_class(main_stack)
-        chosen = [
-            (name, stack)
-            for name, stack in stacks
-            if name == main_name
-            or _parameter_count(stack) >= _SECONDARY_STACK_MIN_SHARE * main_parameters
-            or _block_class(stack) is main_class
-        ]
-        return [
-            (_join(name, child_name), child)
-            for name, stack in chosen
-            for child_name, child in stack.named_children()
-        ]
+def _chosen_stacks(model: nn.Module, ran: Any = None) -> list[tuple[str, nn.Module]]:
+    """Rules 1-3 and 5 of the module docstring: the stacks of the chain, in creation order;
+    with ``ran`` (a predicate on a stack), chosen among the stacks it holds true for."""
+    candidates = _candidate_stacks(model)
+    if ran is not None:
+        candidates = [(name, stack) for name, stack in candidates if ran(stack)]
+    if not candidates:
+        return []
+    one_class = [(name, stack) for name, stack in candidates if _is_stack(stack)]
+    mixed = [(name, stack) for name, stack in candidates if not _is_stack(stack)]
+    stacks = one_class
+    if mixed:  # the biggest list of several classes, where it is the main stack (rule 1)
+        mixed_name, mixed_stack = max(mixed, key=lambda item: _parameter_count(item[1]))
+        outside = [(name, stack) for name, stack in one_class
+                   if not _is_inside(name, mixed_name)]
+        if all(_parameter_count(mixed_stack) > _parameter_count(stack) for _, stack in outside):
+            kept = {mixed_name, *(name for name, _ in outside)}
+            stacks = [(name, stack) for name, stack in candidates if name in kept]
+    main_name, main_stack = max(stacks, key=lambda item: _parameter_count(item[1]))
+    main_parameters = _parameter_count(main_stack)
+    main_classes = _block_classes(main_stack)
+    return [
+        (name, stack)
+        for name, stack in stacks
+        if name == main_name
+        or _parameter_count(stack) >= _SECONDARY_STACK_MIN_SHARE * main_parameters
+        or _block_classes(stack) <= main_classes
+    ]
 
-    if isinstance(model, nn.Sequential) and len(model) >= 2:
-        return list(model.named_children())
 
-    raise UsageError(
-        f"find_blocks() found no chain of blocks in {type(model).__name__}: it looks for an "
-        "nn.ModuleList or nn.Sequential holding 2 or more modules of the same class (such as "
-        "model.layers or transformer.h in Hugging Face models), or a model that is itself an "
-        f"nn.Sequential of 2 or more modules; {_HOW_TO_PASS_BLOCKS}"
-    )
+def _blocks_of(stacks: list[tuple[str, nn.Module]], model: nn.Module
+               ) -> list[tuple[str, nn.Module]]:
+    """The children of ``stacks``, as ``(qualified_name, module)``; ``UsageError`` where there
+    are no stacks."""
+    if not stacks:
+        raise UsageError(
+            f"find_blocks() found no chain of blocks in {type(model).__name__}: it looks for an "
+            "nn.ModuleList or nn.Sequential holding 2 or more modules of the same class (such "
+            "as model.layers or transformer.h in Hugging Face models), or a model that is "
+            f"itself an nn.Sequential of 2 or more modules; {_HOW_TO_PASS_BLOCKS}"
+        )
+    return [
+        (_join(name, child_name), child)
+        for name, stack in stacks
+        for child_name, child in stack.named_children()
+    ]
 
 
 def resolve_blocks(
@@ -251,8 +298,10 @@ def resolve_blocks(
 # --------------------------------------------------------------------------------------------
 
 
-def _outermost_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every stack (rule 1) that is not inside another stack (rule 2), in named_modules order."""
+def _candidate_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every stack of one class (rule 1) not inside another one (rule 2), and every
+    ``nn.ModuleList`` of several classes not inside those, in named_modules order; the model
+    itself where there are none and it is an ``nn.Sequential`` of 2 or more (rule 5)."""
     stacks: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not _is_stack(module):
@@ -260,7 +309,16 @@ def _outermost_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if any(_is_inside(name, outer) for outer, _ in stacks):
             continue  # named_modules lists parents before children: the outer one is in already
         stacks.append((name, module))
-    return stacks
+    mixed = [
+        (name, module) for name, module in model.named_modules()
+        if name and _is_mixed_list(module)
+        and not any(_is_inside(name, outer) for outer, _ in stacks)
+    ]
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    found = sorted([*stacks, *mixed], key=lambda item: order[item[0]])
+    if not found and isinstance(model, nn.Sequential) and len(model) >= 2:
+        return [("", model)]
+    return found
 
 
 def _is_stack(module: nn.Module) -> bool:
@@ -270,13 +328,19 @@ def _is_stack(module: nn.Module) -> bool:
     return len(children) >= 2 and len({_original_class(child) for child in children}) == 1
 
 
+def _is_mixed_list(module: nn.Module) -> bool:
+    children = list(module.children())
+    return (isinstance(module, nn.ModuleList) and len(children) >= 2
+            and len({_original_class(child) for child in children}) > 1)
+
+
 def _original_class(module: nn.Module) -> type:
     # checkpoint_module swaps a module's class for a subclass that remembers the original
     return getattr(type(module), "_gradckpt_original_class", type(module))
 
 
-def _block_class(stack: nn.Module) -> type:
-    return _original_class(next(iter(stack.children())))
+def _block_classes(stack: nn.Module) -> set[type]:
+    return {_original_class(child) for child in stack.children()}
 
 
 def _parameter_count(module: nn.Module) -> int:
@@ -311,32 +375,160 @@ def _module_by_name(model: nn.Module, name: str, *, what: str) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
-def _in_run_order(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], sample: Any
-) -> list[tuple[str, nn.Module]]:
-    """``blocks`` sorted by when each first ran in one forward pass of ``model`` on ``sample``."""
-    first_call: dict[int, int] = {}  # block index -> how many blocks had run before it
+def _blocks_that_run(model: nn.Module, sample: Any) -> list[tuple[str, nn.Module]]:
+    """Rule 4 with a sample: the blocks of the stacks chosen among those that ran on
+    ``sample``, sorted by when each first ran in one no-grad forward pass of ``model``."""
+    stacks = _candidate_stacks(model)
+    if not stacks:
+        _blocks_of(stacks, model)  # raises: no chain, and nothing to run the model for
+    watched = _blocks_of(stacks, model)
+    first_call: dict[int, int] = {}  # index in watched -> how many blocks had run before it
+    hidden: dict[int, Any] = {}  # each block's first call: its hidden state, its output
+    outputs: dict[int, Any] = {}
 
-    def note(index: int, _module: nn.Module, _args: tuple) -> None:
-        first_call.setdefault(index, len(first_call))  # a block called again keeps its place
+    def note(index: int, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if index not in first_call:  # a block called again keeps its place
+            first_call[index] = len(first_call)
+            hidden[index] = first_tensor((args, kwargs))
+
+    def noted_output(index: int, _module: nn.Module, _args: tuple, output: Any) -> None:
+        outputs.setdefault(index, first_tensor(output))
 
     handles = []
     try:
-        for index, (_, module) in enumerate(blocks):
-            handles.append(module.register_forward_pre_hook(functools.partial(note, index)))
+        for index, (_, module) in enumerate(watched):
+            handles.append(module.register_forward_pre_hook(
+                functools.partial(note, index), with_kwargs=True))
+            handles.append(module.register_forward_hook(functools.partial(noted_output, index)))
         with buffers_and_rng_preserved(model), ecosystem_hooks_on(model), torch.no_grad():
             run_model(model, sample)
     finally:
         for handle in handles:
             handle.remove()
 
-    missing = [name for index, (name, _) in enumerate(blocks) if index not in first_call]
+    ran_ids = {id(watched[index][1]) for index in first_call}
+    chosen = _chosen_stacks(
+        model, ran=lambda stack: any(id(child) in ran_ids for child in stack.children()))
+    if not chosen:  # no stack ran: the blocks found by structure did not
+        chosen = _chosen_stacks(model)
+    index_of = {name: index for index, (name, _) in enumerate(watched)}
+    blocks = [index_of[name] for name, _ in _blocks_of(chosen, model)]
+    _, missing = blocks_not_run([watched[index] for index in blocks],
+                                [position for position, index in enumerate(blocks)
+                                 if index in first_call])
     if missing:
         raise UsageError(
-            f"find_blocks(): blocks {missing} did not run in the model's forward pass on this "
-            f"sample, so their place in the chain is unknown; give a sample that runs them all, "
-            f"or {_HOW_TO_PASS_BLOCKS}"
+            f"find_blocks(): blocks {[watched[blocks[position]][0] for position in missing]} "
+            "did not run in the model's forward pass on this sample, so their place in the "
+            f"chain is unknown; give a sample that runs them all, or {_HOW_TO_PASS_BLOCKS}"
         )
+    blocks = [index for index in blocks if index in first_call]
     # sorted() is stable, and ties cannot happen: every block that ran has its own index
-    order = sorted(range(len(blocks)), key=first_call.__getitem__)
-    return [blocks[index] for index in order]
+    order = sorted(blocks, key=first_call.__getitem__)
+    check_not_interleaved(
+        [watched[index][0] for index in order],
+        [position for position in range(1, len(order))
+         if outputs.get(order[position - 1]) is None or hidden[order[position]] is None
+         or not is_alias(hidden[order[position]], outputs[order[position - 1]])],
+    )
+    return [watched[index] for index in order]
+
+
+# --------------------------------------------------------------------------------------------
+# Rules on a run: stacks left out, stacks run interleaved (find_blocks with a sample, and the
+# step profile records)
+# --------------------------------------------------------------------------------------------
+
+
+def blocks_that_run_instead(model: nn.Module, sample: Any) -> str:
+    """Where none of the blocks a step was recorded with ran on ``sample``: the ``blocks=``
+    that ``find_blocks(model, sample)`` finds among the stacks that do run, as the end of the
+    error's message (the general advice where it finds none, or the model fails on it)."""
+    try:
+        found = find_blocks(model, sample)
+    except Exception:  # the error being raised says what did not run; this only adds to it
+        return "; pass blocks= with the blocks that run, in order"
+    stacks = list(dict.fromkeys(_stack_name(name) for name, _ in found))
+    if len(stacks) == 1 and stacks[0]:
+        how = f"blocks={stacks[0]!r}"
+    else:
+        how = f"blocks={[name for name, _ in found]}"
+    return (f"; those of {', '.join(stacks) or 'the model'} do run on it (find_blocks(model, "
+            f"sample) finds them): pass {how}")
+
+
+def blocks_not_run(
+    blocks: list[tuple[str, nn.Module]], ran: Iterable[int]
+) -> tuple[list[int], list[int]]:
+    """Of ``blocks`` (``(qualified_name, module)``: a block's list is its parent), those that
+    did not run, given the indices of those that ran: ``(left_out, missing)``. Where any block
+    ran, a block is left out when no block of its list and class ran: a whole stack that did
+    not run (a vision tower given text), or all the layers of one class in a list of several
+    that did not (cross-attention layers, given no image). The others (of a list and class
+    that ran partly, or all of them where none ran) are missing.
+
+    Example:
+        >>> from torch import nn
+        >>> blocks = [("vision.0", nn.Conv1d(1, 1, 1)), ("vision.1", nn.Conv1d(1, 1, 1)),
+        ...           ("text.0", nn.Linear(1, 1)), ("text.1", nn.Linear(1, 1))]
+        >>> blocks_not_run(blocks, ran=[2, 3])  # text only: the vision tower is left out
+        ([0, 1], [])
+        >>> blocks_not_run(blocks, ran=[2])
+        ([0, 1], [3])
+        >>> blocks_not_run(blocks, ran=[])
+        ([], [0, 1, 2, 3])
+    """
+    ran = set(ran)
+    not_run = [index for index in range(len(blocks)) if index not in ran]
+    if not ran:
+        return [], not_run
+
+    def kind(index: int) -> tuple[str, type]:
+        name, module = blocks[index]
+        return _stack_name(name), _original_class(module)
+
+    kinds_that_ran = {kind(index) for index in ran}
+    left_out = [index for index in not_run if kind(index) not in kinds_that_ran]
+    return left_out, [index for index in not_run if index not in left_out]
+
+
+def check_not_interleaved(names: list[str], breaks: Iterable[int]) -> None:
+    """Raise ``UsageError`` where the blocks named ``names``, in the order they ran, come from
+    lists run interleaved (one list's block between two of another's) and, where the run
+    passes from one list to another, a block does not take the previous one's output
+    (``breaks``: those positions in ``names``): XLM's parallel attention and feed-forward
+    lists, with a residual and a layer norm between them.
+
+    Example:
+        >>> check_not_interleaved(["attn.0", "mlp.0", "attn.1", "mlp.1"], breaks=[])  # a chain
+        >>> check_not_interleaved(["encoder.0", "encoder.1", "decoder.0"], breaks=[2])
+        >>> check_not_interleaved(["attn.0", "mlp.0", "attn.1", "mlp.1"], breaks=[1, 2, 3])
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: blocks of several lists, attn, mlp, run interleaved ...
+    """
+    stacks = [_stack_name(name) for name in names]
+    runs = [stack for position, stack in enumerate(stacks)
+            if position == 0 or stack != stacks[position - 1]]
+    if len(runs) == len(set(runs)):
+        return  # each list runs through before the next starts
+    broken = [names[position] for position in sorted(set(breaks))
+              if 0 < position < len(names) and stacks[position] != stacks[position - 1]]
+    if not broken:
+        return  # interleaved, but each block takes the previous one's output: still a chain
+    lists = list(dict.fromkeys(stacks))
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    raise UsageError(
+        f"blocks of several lists, {', '.join(lists)}, run interleaved ({shown}), "
+        f"and they are no chain: {broken[0]!r} does not take the previous block's output as "
+        "its input (the model computes something between them, such as a residual and a "
+        "layer norm). Checkpointing plans over a chain of blocks, each taking the previous "
+        "one's output, which these lists together are not; pass blocks= with modules that "
+        "are: modules that each hold one layer whole (an attention with its feed-forward), or "
+        f"one of these lists (blocks='{lists[-1]}'), whose blocks are then checkpointed one "
+        "by one"
+    )
+
+
+def _stack_name(block_name: str) -> str:
+    return block_name.rpartition(".")[0]

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..engine import AutocastSnapshot, continues_chain, detached_like, first_tensor, storage_key
 from ..errors import GradckptError, UsageError
 from . import clock
+from .chain import blocks_not_run, blocks_that_run_instead, check_not_interleaved
 from .step import OutputHolder, loss_of, run_model
 from .tensors import tensor_bytes, tensors_in
 
@@ -136,7 +137,10 @@ def record_block_calls(
     With ``holder``, the model's output outlives the step there, as a loop's ``out`` does
     (the step metered next starts with it, as it would after any step).
 
-    Raises ``UsageError`` if a block did not run on ``sample``.
+    Blocks that did not run are left out of ``order`` where no block of their list and class
+    ran but others did (``chain.blocks_not_run``); raises ``UsageError`` if other blocks did
+    not run, or the blocks run interleaved from several lists and are no chain
+    (``chain.check_not_interleaved``).
     """
     recording = Recording({}, {}, {}, [])
 
@@ -212,12 +216,21 @@ def record_block_calls(
     finally:
         for hook in hooks:
             hook.remove()
-    missing = [index for index in range(len(blocks)) if index not in recording.calls]
+    # A whole stack that did not run (a vision tower given text) is left out of ``order``; a
+    # stack that ran partly is refused, and so are lists run interleaved that are no chain
+    # (``chain.py``, rule 4 and below).
+    names_by_id = {id(module): name for name, module in model.named_modules() if name}
+    named = [(names_by_id.get(id(block), type(block).__name__), block) for block in blocks]
+    names = [name for name, _ in named]
+    _, missing = blocks_not_run(named, recording.order)
     if missing:
         raise UsageError(
-            f"blocks {missing} did not run in the model's forward pass on this sample; pass "
-            "blocks= with the blocks that run, in order"
+            f"blocks {missing} did not run in the model's forward pass on this sample "
+            f"({', '.join(names[index] for index in missing)})"
+            + (", while other blocks of their lists did; pass blocks= with the blocks that "
+               "run, in order" if recording.order else blocks_that_run_instead(model, sample))
         )
+    check_not_interleaved([names[index] for index in recording.order], recording.chain_breaks())
     return recording
 
 
