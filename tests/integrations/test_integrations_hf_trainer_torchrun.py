@@ -72,7 +72,8 @@ def assert_one_plan_and_the_losses_of_one_process(ranks: list[dict], expected: l
     assert ranks[0]["segments"], "the plan recomputes something"
     for rank in ranks:
         assert rank["segments"] == ranks[0]["segments"]
-        assert rank["budget_bytes"] == ranks[0]["budget_bytes"]
+        for field in ("budget_bytes", "predicted_peak_bytes"):  # rank 0's plan, as it is
+            assert rank[field] == ranks[0][field], field
         assert rank["losses"] == pytest.approx(expected, rel=1e-6, abs=0)
 
 
@@ -85,8 +86,6 @@ def assert_ddp_peaks(ranks: list[dict], with_lora: bool) -> None:
         assert abs(rank["peak_bytes"] - expected_peak) <= 0.01 * expected_peak, rank
         if with_lora:  # LoRA's gradients are 26 KiB: the budget holds
             assert rank["peak_bytes"] <= rank["budget_bytes"] * 1.03, rank
-        else:
-            assert rank["peak_bytes"] > rank["budget_bytes"] * 1.03, rank
 
 
 @pytest.mark.parametrize("model", ["lora", "full"])
