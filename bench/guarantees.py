@@ -193,6 +193,7 @@ def engine_invariants() -> list[Invariant]:
 
 HF = "tests/integrations/test_integrations_hf.py"
 QUANTIZED = "tests/integrations/test_integrations_quantized.py"
+REPLAY = "tests/measure/test_measure_replay_check.py"
 
 
 @dataclass
@@ -297,6 +298,16 @@ NOT_SUPPORTED = [
             "other random numbers)",
             [f"{HF}::test_gradckpt_checkpoint_without_rng_replay_around_dropout_warns_once"],
             ["no-rng-replay"]),
+    Support("model kinds", "a forward pass that does not repeat itself from the same torch RNG "
+            "state (randomness from numpy or Python's `random`): recomputation computes "
+            "otherwise",
+            [f"{REPLAY}::test_randomness_drawn_outside_torch_is_said_by_profile_and_enable"],
+            ["randomness-outside-torch"]),
+    Support("model kinds", "a forward pass that computes otherwise with what gradckpt changes "
+            "while it works (a Hugging Face cache off): it trains as the changed model",
+            [f"{REPLAY}::test_a_forward_changed_by_an_ecosystem_hook_is_said",
+             f"{REPLAY}::test_hugging_face_models_with_their_cache_and_dropout_replay"],
+            ["forward-changed-by-hooks"]),
     Support("integrations", "multi-process Trainer runs (DDP, FSDP or DeepSpeed under the "
             "Trainer), DeepSpeed itself: no error, not tested", []),
     Support("devices", "accelerators other than CUDA (MPS, XPU): no error, not tested", []),
@@ -565,6 +576,40 @@ CASES = [
          'optimizer="none")',
          [f"{HF}::test_enable_on_a_model_with_transformers_checkpointing_on_replaces_it_until_disable"],
          setup="model.gradient_checkpointing_enable()", outcome="warning"),
+    Case("randomness-outside-torch", "a forward drawing randomness outside torch", "linear",
+         "gradckpt.profile(chain, sample, repeats=1)",
+         [f"{REPLAY}::test_randomness_drawn_outside_torch_is_said_by_profile_and_enable"],
+         given="`chain`: `model` then a module scaling by Python's `random.random()`",
+         setup="import random\n"
+               "random.seed(0)  # the page the same each time it is written\n"
+               "class PythonNoise(nn.Module):\n"
+               "    def forward(self, x):\n"
+               "        return x * random.random()\n"
+               "chain = nn.Sequential(model, PythonNoise())", outcome="warning"),
+    Case("forward-changed-by-hooks", "a forward that computes otherwise with its cache off",
+         "linear", "profiled_with_cache_off(chain, sample)",
+         [f"{REPLAY}::test_a_forward_changed_by_an_ecosystem_hook_is_said"],
+         given="`chain`: `model` then a module that doubles its input while its `use_cache` is "
+               "on; an ecosystem hook (as the Hugging Face one) turns it off while gradckpt works",
+         setup="from gradckpt.ecosystem_hooks import (register_ecosystem_hook,\n"
+               "                                      unregister_ecosystem_hook)\n"
+               "class Cached(nn.Module):\n"
+               "    use_cache = True\n"
+               "    def forward(self, x):\n"
+               "        return x * (2.0 if self.use_cache else 1.0)\n"
+               "chain = nn.Sequential(model, Cached())\n"
+               "def cache_off(module, occasion):\n"
+               "    if not isinstance(module, nn.Sequential) or not isinstance(\n"
+               "            module[-1], Cached):\n"
+               "        return None\n"
+               "    module[-1].use_cache = False\n"
+               "    return lambda: setattr(module[-1], 'use_cache', True)\n"
+               "def profiled_with_cache_off(chain, sample):\n"
+               "    register_ecosystem_hook(cache_off)\n"
+               "    try:\n"
+               "        return gradckpt.profile(chain, sample, repeats=1)\n"
+               "    finally:\n"
+               "        unregister_ecosystem_hook(cache_off)", outcome="warning"),
     Case("no-rng-replay", "`preserve_rng_state=False` around dropout", "linear",
          "gradckpt.checkpoint(with_dropout, sample, preserve_rng_state=False)",
          [f"{HF}::test_gradckpt_checkpoint_without_rng_replay_around_dropout_warns_once"],

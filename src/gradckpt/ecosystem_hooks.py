@@ -80,20 +80,29 @@ def unregister_ecosystem_hook(hook: EcosystemHook) -> None:
 def run_ecosystem_hooks(model: nn.Module, occasion: Occasion = MEASURING) -> Callable[[], None]:
     """Run every registered hook on ``model``; return a function undoing them all, the last
     one first."""
-    undos = [undo for hook in list(_HOOKS) if (undo := hook(model, occasion)) is not None]
+    undos = _run_hooks(model, occasion)
 
     def restore() -> None:
-        for undo in reversed(undos):
-            undo()
+        _undo(undos)
 
     return restore
 
 
 @contextlib.contextmanager
-def ecosystem_hooks_on(model: nn.Module, occasion: Occasion = MEASURING) -> Iterator[None]:
-    """``run_ecosystem_hooks`` for the duration of a ``with`` block."""
-    restore = run_ecosystem_hooks(model, occasion)
+def ecosystem_hooks_on(model: nn.Module, occasion: Occasion = MEASURING) -> Iterator[bool]:
+    """``run_ecosystem_hooks`` for the duration of a ``with`` block, which is given whether any
+    hook changed the model."""
+    undos = _run_hooks(model, occasion)
     try:
-        yield
+        yield bool(undos)
     finally:
-        restore()
+        _undo(undos)
+
+
+def _run_hooks(model: nn.Module, occasion: Occasion) -> list[Callable[[], None]]:
+    return [undo for hook in list(_HOOKS) if (undo := hook(model, occasion)) is not None]
+
+
+def _undo(undos: list[Callable[[], None]]) -> None:
+    for undo in reversed(undos):
+        undo()
