@@ -347,3 +347,89 @@ def test_kept_outputs_backward_does_not_save_are_freed_during_recomputation() ->
         lambda x: checkpoint(region, x, use_reentrant=False, context_fn=context)
     )
     assert ours == theirs
+
+
+class StatefulCell(nn.Module):
+    """Keeps the state it computes as an attribute, as a recurrent layer keeps its last state
+    (``self.state = h``): a reference to its graph that outlives the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state = F.gelu(self.linear(x))
+        return self.state
+
+
+class StatefulLayer(nn.Module):
+    """Resets its cell's state before each call, then runs it (RecurrentGemma's recurrent
+    block does both), and projects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = StatefulCell()
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cell.state = None
+        return self.out(self.cell(x))
+
+
+@pytest.mark.parametrize("policy", [None, "save-matmuls"])
+def test_a_state_kept_as_an_attribute_ends_as_the_forward_pass_left_it(
+    policy: str | None,
+) -> None:
+    """(d) and invariant 2: after backward the cell's attribute is the tensor the forward pass
+    stored, not the recomputed one, and the memory is the plain model's: the recomputed one
+    would hold the graph recomputation built (the layer's activations and input) until the
+    next forward pass."""
+    levels = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        layer = StatefulLayer()
+        leaf = torch.randn(BATCH, WIDTH, requires_grad=True)
+        tracker = tracker_for(layer, leaf)
+        with tracker:
+            before = current_bytes(tracker)
+            x = leaf * 2
+            y = gradckpt.checkpoint(layer, x, policy=policy) if checkpointing else layer(x)
+            stored = layer.cell.state
+            del x
+            y.square().sum().backward()
+            assert layer.cell.state is stored
+            del stored
+            levels[checkpointing] = current_bytes(tracker) - before
+    state_bytes = BATCH * WIDTH * FLOAT_BYTES
+    grad_bytes = parameter_bytes(layer) + storage_bytes(leaf.grad)
+    assert levels[True] == levels[False] == grad_bytes + storage_bytes(y) + state_bytes
+
+
+def test_a_graph_recomputation_leaves_elsewhere_holds_none_of_its_saved_tensors() -> None:
+    """(d) A region that hands a tensor it computes to something outside (a list, a cache),
+    where recomputation hands it over again: after backward the list holds the two tensors,
+    and the graph behind the recomputed one holds none of what it saved (the first linear's
+    input and output), freed when recomputation ended."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+    handed_out: list[torch.Tensor] = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(first(x))
+        handed_out.append(hidden)
+        return second(hidden)
+
+    tracker = tracker_for(first, second)
+    with tracker:
+        before = current_bytes(tracker)
+        x = torch.randn(BATCH, WIDTH)  # a frozen input (invariant 4): no leaf's node holds it
+        y = gradckpt.checkpoint(region, x)
+        del x
+        y.square().sum().backward()
+        after = current_bytes(tracker)
+    assert len(handed_out) == 2 and handed_out[1].grad_fn is not None
+    tensor_bytes = BATCH * WIDTH * FLOAT_BYTES
+    assert after - before == parameter_bytes(first, second) + storage_bytes(y) + 2 * tensor_bytes
+    with pytest.raises(gradckpt.CheckpointError, match="after the recomputation ended"):
+        handed_out[1].sum().backward()

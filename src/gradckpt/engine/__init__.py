@@ -15,7 +15,8 @@ Invariants (docs/engine.md, "Guarantees"; tests cite them by number):
    so is every other state the region's operations depend on (default device and dtype, fake
    mode, deterministic algorithms, precision and kernel settings).
 2. Recomputation has no side effect a user can see: module buffers (BatchNorm running
-   statistics) end the step as if each block ran forward once. Module hooks do run again.
+   statistics) and the tensors modules keep as attributes (a recurrent layer's last state)
+   end the step as if each block ran forward once. Module hooks do run again.
 3. Without grad (``no_grad``, ``inference_mode``) the engine does nothing at all.
 4. Frozen inputs work: a region whose inputs do not require grad still gives its parameters
    their gradients.
@@ -39,6 +40,9 @@ R4. Recomputed tensors belong to one backward pass (its graph task id). Each is 
     and dropped; whatever that backward never asked for is dropped when it ends.
 R5. Recomputation raises ``_RecomputationComplete`` the moment the last slot is filled, which
     skips the rest of the region (invariant 6).
+R6. The graph recomputation builds holds what it saves only while recomputation runs: a
+    reference the region leaves behind (``self.state = h``, a list, a cache) keeps that
+    graph's nodes, not the block's recomputed activations or the region itself.
 """
 
 # Internal interface for gradckpt's own stages (not the user API): what apply installs plans

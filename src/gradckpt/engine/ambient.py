@@ -248,7 +248,8 @@ class _AmbientState:
 
 
 class _BufferGuard:
-    """Puts module buffers back as they were before recomputation (invariant 2).
+    """Puts module buffers, and the tensors modules keep as plain attributes, back as they were
+    before recomputation (invariant 2).
 
     A global forward pre-hook (active on this thread only while recomputing) copies the buffers of
     every module the region calls before it runs; afterwards every one of them gets its old value
@@ -256,11 +257,19 @@ class _BufferGuard:
     running statistics without bumping the counter. The version counter is put back too: a
     buffer saved for backward (BatchNorm saves its running statistics) must look unchanged to
     the next recomputation that saves it, which checks versions.
+
+    A tensor a module's forward assigns to an attribute (a recurrent layer's last state,
+    ``self.state = h``) gets back the one the forward pass left there: the recomputed one would
+    hold the graph that recomputation built, and through it the region's inputs, until the next
+    forward pass replaced it (``region.py``'s R6 frees the rest of that graph). The hook notes
+    the attributes of a called module's whole subtree, before the module's code can change its
+    children's.
     """
 
     def __enter__(self) -> _BufferGuard:
         self.thread = threading.get_ident()
         self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}
+        self.attributes: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(self.remember)
         return self
 
@@ -272,6 +281,9 @@ class _BufferGuard:
                 if buffer is not None and id(buffer) not in self.snapshots:
                     copy = buffer.detach().clone()
                     self.snapshots[id(buffer)] = (buffer, copy, _version_of(buffer))
+        if id(module) not in self.attributes:
+            for inner in module.modules():
+                self.attributes.setdefault(id(inner), (inner, dict(vars(inner))))
 
     def __exit__(self, *exc_info: Any) -> None:
         self.hook.remove()
@@ -280,6 +292,27 @@ class _BufferGuard:
                 buffer.copy_(copy)
                 if version is not None:
                     torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
+        for module, before in self.attributes.values():
+            _put_back_tensor_attributes(module, before)
+
+
+def _put_back_tensor_attributes(module: torch.nn.Module, before: dict[str, Any]) -> None:
+    """Give ``module`` back the plain attributes in ``before`` (its ``vars()`` then) that hold
+    a tensor now or held one then, where they changed; one that did not exist is removed.
+    Parameters, buffers and submodules live in ``nn.Module``'s own dictionaries, whose
+    identity does not change."""
+    now = vars(module)
+    for name in now.keys() | before.keys():
+        old, new = before.get(name, _MISSING), now.get(name, _MISSING)
+        if old is new or not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+            continue
+        if old is _MISSING:
+            del now[name]
+        else:
+            now[name] = old
+
+
+_MISSING = object()
 
 
 # The internal interface's name (gradckpt.engine): measuring re-runs a block under the autocast

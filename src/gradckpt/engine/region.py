@@ -1,4 +1,4 @@
-"""One checkpointed call: the region, its slots, its recomputation (rules R1-R5 in the
+"""One checkpointed call: the region, its slots, its recomputation (rules R1-R6 in the
 package docstring). Where a policy keeps or offloads what the region saves: fate_per_op.py."""
 
 from __future__ import annotations
@@ -163,35 +163,39 @@ class _Region:
                 functools.partial(_drop_recomputed, weakref.ref(self), graph_id)
             )
         args, kwargs = self.recompute_inputs()
-        filled = _FillCounter()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(self.ambient.replayed())
-            stack.enter_context(_BufferGuard())
-            # Made in the replayed state: the mode starts bringing offloaded tensors back.
-            mode = self.fates.recompute_mode(self.mismatch)
-            pack = functools.partial(self.pack_during_recompute, graph_id, filled)
-            for hook in _hooks(mode, pack, _identity):
-                stack.enter_context(hook)
-            try:
-                self.fn(*args, **kwargs)
-            except _RecomputationComplete:
-                pass
-        if filled.count < len(self.slots):
+        recomputation = _Recomputation(self, graph_id)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(self.ambient.replayed())
+                stack.enter_context(_BufferGuard())
+                # Made in the replayed state: the mode starts bringing offloaded tensors back.
+                mode = self.fates.recompute_mode(self.mismatch)
+                for hook in _hooks(mode, recomputation.pack, _unpack_recomputed):
+                    stack.enter_context(hook)
+                try:
+                    self.fn(*args, **kwargs)
+                except _RecomputationComplete:
+                    pass
+        finally:
+            recomputation.release()  # R6
+        if recomputation.filled < len(self.slots):
             raise self.mismatch(
-                f"saved {filled.count} tensors for backward but its forward pass saved "
+                f"saved {recomputation.filled} tensors for backward but its forward pass saved "
                 f"{len(self.slots)}"
             )
 
     def pack_during_recompute(
-        self, graph_id: int, filled: _FillCounter, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        index = filled.count
-        filled.count += 1
+        self, recomputation: _Recomputation, tensor: torch.Tensor
+    ) -> _RecomputedSave:
+        index = recomputation.filled
+        recomputation.filled += 1
+        save = _RecomputedSave(tensor)
+        recomputation.saves.append(save)
         if index >= len(self.slots):
             # Only reachable when the forward itself ran backward before finishing (R5 normally
             # stops us at len(slots)); then the extra tensors are the forward's own business.
-            return tensor
+            return save
         if _metadata(tensor) != self.saved_metadata[index]:
             raise self.mismatch(
                 f"produced a different saved tensor #{index}: the forward pass saved "
@@ -228,10 +232,10 @@ class _Region:
             tensor = tensor.detach()
         slot = self.slots[index]()
         if slot is not None:  # None: that part of the graph is gone already
-            slot.tensors[graph_id] = tensor
-        if filled.count == len(self.slots):
+            slot.tensors[recomputation.graph_id] = tensor
+        if recomputation.filled == len(self.slots):
             raise _RecomputationComplete
-        return tensor
+        return save
 
     def recompute_inputs(self) -> tuple[tuple, dict]:
         # Unpacking may recompute a parent region first (R2).
@@ -270,11 +274,35 @@ class _Region:
         )
 
 
-class _FillCounter:
-    __slots__ = ("count",)
+class _Recomputation:
+    """One recomputation of a region for one backward pass (graph task ``graph_id``): how many
+    saved tensors it has filled, and what the graph it builds holds (R6).
 
-    def __init__(self) -> None:
-        self.count = 0
+    That graph is thrown away when recomputation ends, unless the region left a reference to
+    it behind: a module that keeps a state it computed as an attribute (a recurrent block's
+    last state, ``self.state = h``). Through its saved tensors the graph holds what they were
+    packed into (``_RecomputedSave``) and the pack hook, this object's ``pack``; ``release``
+    empties both, so that all it keeps is a few bytes of nodes and not the block's
+    recomputed activations and, through the region, its inputs, until the next forward pass
+    replaces the attribute.
+    """
+
+    __slots__ = ("region", "graph_id", "filled", "saves")
+
+    def __init__(self, region: _Region, graph_id: int) -> None:
+        self.region: _Region | None = region
+        self.graph_id = graph_id
+        self.filled = 0
+        self.saves: list[_RecomputedSave] = []
+
+    def pack(self, tensor: torch.Tensor) -> _RecomputedSave:
+        return self.region.pack_during_recompute(self, tensor)
+
+    def release(self) -> None:
+        for save in self.saves:
+            save.tensor = None
+        self.saves.clear()
+        self.region = None
 
 
 def _drop_recomputed(region_ref: weakref.ref[_Region], graph_id: int) -> None:
@@ -288,8 +316,26 @@ def _unpack(slot: _Slot) -> torch.Tensor:
     return slot.region.unpack(slot)
 
 
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+class _RecomputedSave:
+    """What the graph built by recomputation saves in place of a tensor: the tensor while
+    recomputation runs (a forward that runs backward inside itself reads it), nothing after
+    (R6)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+
+def _unpack_recomputed(save: _RecomputedSave) -> torch.Tensor:
+    if save.tensor is None:
+        raise CheckpointError(
+            "gradckpt: backward through a graph that recomputation built, after the "
+            "recomputation ended (a tensor the region kept somewhere, such as a module "
+            "attribute, read again after its backward): its saved tensors are freed, as "
+            "autograd frees a graph's after backward. Use the tensor the forward pass returned."
+        )
+    return save.tensor
 
 
 def _hooks(
