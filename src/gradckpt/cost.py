@@ -188,7 +188,8 @@ def _walk_step(profile: Profile, segments: list[Segment]) -> tuple[dict[str, int
     retained, forward_peak, added = walk.forward(items, 0, profile.input_held(0), 0, top=True)
     head_peak = retained + profile.head_bytes
     backward_peak, _ = walk.backward(items, added, retained)
-    phases = dict(zip(PHASES, (forward_peak + profile.previous_output_bytes, head_peak,
+    phases = dict(zip(PHASES, (forward_peak + profile.previous_output_bytes
+                               + profile.before_chain_bytes, head_peak,
                                backward_peak, profile.other_peak_bytes,
                                profile.optimizer_step_bytes), strict=True))
     return {**phases, "retained": retained}, walk.extra_seconds
@@ -227,6 +228,25 @@ def side_inputs_held(profile: Profile, checkpointing: bool) -> list[int]:
     """
     return [block.side_bytes + (block.held_side_bytes if checkpointing else 0)
             for block in profile.blocks]
+
+
+def returned_alive(profile: Profile) -> list[int]:
+    """Per block, the tensors the block before it returned besides its hidden state
+    (``BlockProfile.returned_bytes``), which the model's loop holds while this block runs
+    forward: they count there when that block is checkpointed (kept, its graph saves them).
+    None after a chain break, where the loop that held them has ended.
+
+    Example:
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}", returned_bytes=8) for i in range(3)]
+        >>> returned_alive(Profile(blocks, 0, 0, 1.0)), returned_alive(
+        ...     Profile(blocks, 0, 0, 1.0, chain_breaks=[2]))
+        ([0, 8, 8], [0, 8, 0])
+    """
+    return [0] + [
+        0 if index in profile.chain_breaks else profile.blocks[index - 1].returned_bytes
+        for index in range(1, len(profile.blocks))
+    ]
 
 
 def _items(segments: list[Segment], start: int, end: int) -> list[int | Segment]:
@@ -280,6 +300,7 @@ class _Walk:
         # Whether block i + 1's input is retained already when block i is kept before it.
         self.passes_input = [profile.input_held(i + 1) for i in range(len(self.blocks))]
         self.host_link = profile.notes.get(HOST_LINK)
+        self.returned = returned_alive(profile)
         self.extra_seconds = 0.0
 
     def forward(
@@ -295,6 +316,9 @@ class _Walk:
         Returns retained after, the peak, and what each item added (released in backward)."""
         peak = 0
         added_per_item = []
+        # What the block before returned besides its hidden state is held by the model's
+        # loop while the next block runs; nothing else holds it where it was checkpointed.
+        after_checkpointed = False
         for item in items:
             if isinstance(item, Segment):
                 block = self.blocks[item.start]
@@ -307,15 +331,20 @@ class _Walk:
                 retained += added
                 for j in item.blocks():
                     hidden = 0 if j == item.start else self.blocks[j].input_bytes
-                    peak = max(peak, alive + retained + hidden
+                    returned = self.returned[j] if after_checkpointed or j > item.start else 0
+                    peak = max(peak, alive + retained + hidden + returned
                                + _segment_transient(self.blocks, item, j, self.host_link))
+                after_checkpointed = True
             else:
                 block = self.blocks[item]
                 hidden = 0 if input_retained else block.input_bytes
                 side = self.side[item] if top else 0
                 added = block.saved_bytes + side
                 # Side inputs exist before the block runs, its own peak comes on top.
-                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes + side)
+                returned = self.returned[item] if after_checkpointed else 0
+                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes + side
+                           + returned)
+                after_checkpointed = False
                 if input_retained and block.input_saved:
                     added -= block.input_bytes  # the same tensor, retained already
                 if kept_by_policy and item in kept_by_policy:

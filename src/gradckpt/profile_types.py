@@ -135,6 +135,18 @@ class BlockProfile:
       it returns), which is among its ``saved_bytes``. That output is the next block's input,
       the same tensor: kept after this block, the next block retains nothing more for its
       input, and a segment starting there keeps it at no cost (``Profile.input_held``).
+    - ``returned_bytes``: the tensors it returns besides its hidden state (a decoder layer's
+      attention weights), no block's side input: the model's loop holds them with the
+      hidden state (``outputs = layer(...)``) until the next block returns. Kept, the block's
+      graph saves them (the attention weights feed the matmul with the values); in a
+      checkpointed segment nothing else holds them, and they count during the next block's
+      forward (``cost.returned_alive``).
+    - ``argument_stored_bytes``: tensors its forward leaves in an object it was passed (not a
+      tensor: Gemma 4's dictionary of key/value states that later layers share). A
+      checkpointed segment holds its blocks' arguments for recomputation, that object too, so
+      what is stored there lives until the backward of the first checkpointed block taking
+      it: counted, like the side inputs no block saves, in ``held_side_bytes`` of the first
+      block taking the object (``measure.side_inputs``).
     """
 
     name: str
@@ -164,6 +176,8 @@ class BlockProfile:
     side_gradient_bytes: int = 0
     held_side_bytes: int = 0
     output_saved: bool = False
+    returned_bytes: int = 0
+    argument_stored_bytes: int = 0
 
     def recompute_seconds(self) -> float:
         """Extra seconds each time a segment recomputes this block: measured, or its forward.
@@ -279,6 +293,11 @@ class Profile:
     - ``previous_output_bytes``: the previous step's output, which a loop writing
       ``out = model(**batch)`` holds until the model returns the next one: alive through
       the chain's forward and the head's (0 with ``keep_output=False``).
+    - ``before_chain_bytes``: what the modules before the chain hold when its first block
+      starts, its input and side inputs aside: what the embeddings save for backward (a
+      BERT-like stem's layer norm input and dropout mask). Alive through the chain's
+      forward; the head's and the backward's phases count it already (in ``head_bytes`` and
+      ``head_gradient_bytes``, as measured).
     - ``chunked_heads``: the step with its output head and loss in chunks, measured for a few
       chunk counts (``ChunkedHead``, fewest chunks first), when the loss runs through
       ``gradckpt.linear_cross_entropy`` (a Hugging Face causal language model's does, given
@@ -302,6 +321,7 @@ class Profile:
     optimizer_step_bytes: int = 0
     previous_output_bytes: int = 0
     chunked_heads: list[ChunkedHead] = field(default_factory=list)
+    before_chain_bytes: int = 0
 
     def chunked_head(self, chunks: int) -> ChunkedHead:
         """The measured step with the head's loss in ``chunks`` pieces (``chunked_heads``).
@@ -464,7 +484,8 @@ def _inconsistency(block: BlockProfile) -> str | None:
     for name in ("input_bytes", "output_bytes", "saved_bytes", "forward_peak_bytes",
                  "backward_peak_bytes", "matmul_bytes", "forward_seconds", "backward_seconds",
                  "matmul_seconds", "gradient_bytes", "side_bytes",
-                 "side_gradient_bytes", "held_side_bytes"):
+                 "side_gradient_bytes", "held_side_bytes", "returned_bytes",
+                 "argument_stored_bytes"):
         if getattr(block, name) < 0:
             return f"{name} is negative ({getattr(block, name)})"
     for name in ("policy_forward_peak_bytes", "policy_backward_peak_bytes",

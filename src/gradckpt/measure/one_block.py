@@ -25,10 +25,10 @@ from ..errors import UsageError
 from ..op_choices import menu_of
 from ..profile_types import PLANNED_POLICY, BlockProfile, OpChoice
 from . import clock
-from .meter import MemoryMeter
+from .meter import MemoryMeter, trackable
 from .operations import operations_of
 from .recording import BlockCall
-from .tensors import tensor_bytes, tensors_in
+from .tensors import is_passed_object, tensor_bytes, tensors_in
 from .timing import TimeRatios, interleaved_seconds, median_seconds
 
 __all__ = ["measure_block"]
@@ -75,6 +75,8 @@ def measure_block(
             saved[key] = tensor.untyped_storage().nbytes()
         return tensor
 
+    objects = _objects_passed(call)
+    stored_before = _storages_held_by(objects)
     with MemoryMeter(device, block, *tensors_in((args, kwargs))) as memory:
         # Each pass's peak above what exists when it starts, frees of older tensors counted:
         # its forward's above its input; its backward's above what the forward saved and the
@@ -87,6 +89,11 @@ def measure_block(
         forward_peak = memory.peak() - start
         began = clock.now()
         chain_output = _block_output(output)
+        returned_bytes = _returned_bytes(
+            output, chain_output, parameter_storages | {storage_key(t) for t in tensors_in(
+                (args, kwargs))})
+        argument_stored_bytes = sum(nbytes for key, nbytes in _storages_held_by(objects).items()
+                                    if key not in stored_before)
         if not chain_output.requires_grad:
             # Nothing it computes needs a gradient (a frozen first block on an input that
             # needs none): it has no backward and saves nothing, and checkpointing it changes
@@ -173,6 +180,8 @@ def measure_block(
         checkpointed_forward_peak_bytes=checkpointed_forward_peak,
         checkpointed_backward_peak_bytes=checkpointed_backward_peak,
         checkpointed_extra_seconds=ratios.median("checkpointed") * forward_seconds,
+        returned_bytes=returned_bytes,
+        argument_stored_bytes=argument_stored_bytes,
     )
     if same_kind is not None and same_kind.kept_bytes_by_op == block_profile.kept_bytes_by_op:
         block_profile.op_choices = list(same_kind.op_choices)
@@ -362,6 +371,31 @@ def _planned_alone(block: nn.Module, policy: str | None, name: str) -> Iterator[
         yield
     finally:
         handle.remove()
+
+
+def _returned_bytes(output: Any, hidden: torch.Tensor, excluded: set) -> int:
+    """The bytes of the distinct storages of the tensors in ``output`` besides the hidden
+    state's (a layer's attention weights), leaving out ``excluded`` (its arguments passed
+    back, its parameters)."""
+    sizes = {storage_key(tensor): tensor.untyped_storage().nbytes()
+             for tensor in tensors_in(output)}
+    sizes.pop(storage_key(hidden), None)
+    return sum(nbytes for key, nbytes in sizes.items() if key not in excluded)
+
+
+def _objects_passed(call: BlockCall) -> list[Any]:
+    """The arguments of a block's call that are neither tensors nor plain values: objects
+    its forward may store tensors in (a dictionary of key/value states shared by layers)."""
+    return [leaf for leaf in call.leaves if is_passed_object(leaf)]
+
+
+def _storages_held_by(objects: list[Any]) -> dict[int, int]:
+    """The storages of the tensors ``objects`` hold (through containers and attributes, as
+    the meter finds them), with their bytes."""
+    if not objects:
+        return {}
+    return {storage_key(found): found.untyped_storage().nbytes() for found in trackable(objects)
+            if isinstance(found, torch.Tensor)}
 
 
 def _block_output(output: Any) -> torch.Tensor:

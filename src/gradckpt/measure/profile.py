@@ -351,10 +351,12 @@ def _measured(
         recording.output_storages if keep_output else set(),
     )
     between = recording.gradients_made_after()
+    # The first block's side inputs exist when the chain starts (masks, rotary cos/sin).
+    first_side_bytes = sum(calls[0].side_storages(model_storages | sample_storages).values())
     assembled = _assemble(
         measured, memory, step_seconds, device, chain_breaks,
         sum(between[1:]) + output_held_bytes, _input_is_the_samples(recording, sample),
-        previous_output_bytes,
+        previous_output_bytes, first_side_bytes,
     )
     accumulated = accumulated_gradient_bytes(model, accumulation_steps)
     plain = _steady_state(assembled, memory, optimizer_step, accumulated, model, sample,
@@ -371,7 +373,7 @@ def _measured(
         step = _steady_state(
             _assemble(measured, chunked.memory, step_seconds, device, chain_breaks,
                       sum(between[1:]) + output_held_bytes, plain.chain_input_fixed,
-                      chunked.previous_output_bytes),
+                      chunked.previous_output_bytes, first_side_bytes),
             chunked.memory, optimizer_step, accumulated, model, sample, keep_output,
         )
         plain.chunked_heads.append(_chunked_head(chunked, step))
@@ -414,14 +416,16 @@ def _progress_callback(progress: Any) -> Callable[[int, int], None]:
 def _assemble(
     blocks: list[BlockProfile], memory: StepMemory, step_seconds: float, device: torch.device,
     chain_breaks: list[int], counted_by_blocks_bytes: int = 0, chain_input_fixed: bool = False,
-    previous_output_bytes: int = 0,
+    previous_output_bytes: int = 0, first_side_bytes: int = 0,
 ) -> Profile:
     """The profile, with the step's phases expressed the way ``gradckpt.cost`` models them.
     ``counted_by_blocks_bytes``: what is alive when the chain's backward ends that the blocks'
     ``side_gradient_bytes`` count already, not the head's: gradients made inside the chain's
     backward outside its blocks, and side inputs the step's output holds.
     ``previous_output_bytes``: the previous step's output, alive at the start of the measured
-    step and let go when its forward returns: not fixed (the phases before that count it)."""
+    step and let go when its forward returns: not fixed (the phases before that count it).
+    ``first_side_bytes``: the first block's side inputs, which exist when the chain starts and
+    its walk counts as the blocks' (``before_chain_bytes`` is the rest made before it)."""
     fixed = memory.start - previous_output_bytes
     measured = Profile(
         blocks,
@@ -434,6 +438,12 @@ def _assemble(
         chain_input_fixed=chain_input_fixed,
         previous_output_bytes=previous_output_bytes,
     )
+    # Read on a real clock: the steps a modeled one puts together (stand_ins.splice,
+    # head_splice) do not carry the chain's start.
+    if memory.chain_forward_start and not clock.modeled():
+        measured.before_chain_bytes = max(0, memory.chain_forward_start - memory.start
+                                          - (0 if chain_input_fixed else blocks[0].input_bytes)
+                                          - first_side_bytes)
     retained = measured.plain_retained_bytes()
     measured.head_bytes = max(0, memory.highest["head"] - fixed - retained)
     measured.head_gradient_bytes = _head_leftovers(

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..profile_types import BlockProfile
-from .recording import Recording
+from .recording import BlockCall, Recording
+from .tensors import is_passed_object
 
 __all__ = ["with_side_inputs"]
 
@@ -77,9 +78,33 @@ def with_side_inputs(
     between = recording.gradients_made_after()
     for index in range(len(blocks)):
         side_gradient_bytes[index] += sum(between[index + 1:])
+    # What a block stores in an object it was passed lives as long as the segments holding
+    # that object: counted from the first block taking it, like a side input no block saves.
+    for index, block in enumerate(blocks):
+        if block.argument_stored_bytes:
+            held_side_bytes[_first_taker(calls, index)] += block.argument_stored_bytes
+    # A tensor a block returns that later blocks take (T5's position bias) is a side input,
+    # counted there already, not with what the loop holds until the next block returns.
+    sides = {key: nbytes for call in calls for key, nbytes in call.side_storages(
+        model_storages).items()}
+    returned_bytes = [
+        max(0, block.returned_bytes - sum(sides.get(key, 0) for key in keys))
+        for block, keys in zip(blocks, returned, strict=True)
+    ]
     return [
-        replace(block, side_bytes=side, held_side_bytes=held, side_gradient_bytes=gradient)
-        for block, side, held, gradient in zip(
-            blocks, side_bytes, held_side_bytes, side_gradient_bytes, strict=True
-        )
+        replace(block, side_bytes=side, held_side_bytes=held, side_gradient_bytes=gradient,
+                returned_bytes=returned_bytes_of_block)
+        for block, side, held, gradient, returned_bytes_of_block in zip(
+            blocks, side_bytes, held_side_bytes, side_gradient_bytes, returned_bytes,
+            strict=True)
     ], output_held_bytes
+
+
+def _first_taker(calls: list[BlockCall], index: int) -> int:
+    """The first block (position in run order) whose call passes one of the objects block
+    ``index`` was passed (neither tensors nor plain values); ``index`` itself if none did."""
+    passed = {id(leaf) for leaf in calls[index].leaves if is_passed_object(leaf)}
+    for position, call in enumerate(calls[:index]):
+        if any(id(leaf) in passed for leaf in call.leaves if is_passed_object(leaf)):
+            return position
+    return index

@@ -56,6 +56,7 @@ class StepMemory:
             ("before", "forward", "head", "backward", "after"), 0
         )
         self.start = self.peak = self.chain_backward_start = self.chain_backward_end = 0
+        self.chain_forward_start = 0  # the bytes allocated when the chain's first block starts
         self.end = 0
         self.marks: list[Mark] = []
         self.trace: list[int] = []
@@ -119,6 +120,8 @@ class StepMemory:
 
     def _chain_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._enter("forward")
+        assert self._memory is not None
+        self.chain_forward_start = self._memory.current()
         hidden = first_tensor((args, kwargs))
         if hidden is not None and hidden.requires_grad:
             # the gradient of the chain's input ends the chain's backward

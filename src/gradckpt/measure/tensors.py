@@ -40,3 +40,17 @@ def returns_tensor(operation: Any) -> bool:
         (True, False)
     """
     return any("Tensor" in str(value.type) for value in operation._schema.returns)
+
+
+def is_passed_object(value: Any) -> bool:
+    """Whether an argument is an object a block's forward may store tensors in (a dictionary
+    of key/value states that later layers share): neither a tensor, nor None, nor a plain
+    value.
+
+    Example:
+        >>> from collections import UserDict
+        >>> [is_passed_object(v) for v in (UserDict(), torch.ones(1), None, 3, "causal")]
+        [True, False, False, False, False]
+    """
+    return value is not None and not isinstance(
+        value, (torch.Tensor, str, bytes, int, float, bool, type, torch.dtype, torch.device))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..cost import gradients_after, side_inputs_held
+from ..cost import gradients_after, returned_alive, side_inputs_held
 from ..op_choices import offload_offer, offloading, policy_cost
 from ..profile_types import PLANNED_POLICY, BlockProfile, Profile
 from .timing_noise import TIME_NOISE_NOTE, merged_within_band
@@ -112,8 +112,9 @@ class ChainCosts:
             b.output_bytes + g for b, g in zip(self.blocks, self.gradients_after, strict=True)
         ]
         # Column n is the top level, whose forward runs with the previous step's output alive
-        # (a loop's ``out = model(**batch)`` holds it until the model returns).
-        self.alive.append(profile.previous_output_bytes)
+        # (a loop's ``out = model(**batch)`` holds it until the model returns), and what the
+        # modules before the chain hold.
+        self.alive.append(profile.previous_output_bytes + profile.before_chain_bytes)
         self.head_bytes = profile.head_bytes
         # Side inputs are held by the top-level item holding their block (simulate's walk),
         # those no block saves too, as in any plan with a segment: the plan without one is
@@ -129,6 +130,11 @@ class ChainCosts:
         # (that block saves its output), or, for s = 0, always (a tensor of the sample);
         # index n, the head, never.
         self.held = [profile.input_held(s) for s in range(self.n)] + [False]
+        # returned[s]: what block s - 1 returned besides its hidden state, alive while block s
+        # runs forward where s - 1 was checkpointed (simulate's walk). The programs count it
+        # whatever s - 1's fate (a kept block's graph saves it: counted twice), so that a plan
+        # they find fitting fits simulate's count too.
+        self.returned = returned_alive(profile)
         self._segments: dict[int, SegmentCosts] = {}
         self._menus: dict[int, list[MenuOption]] = {}
         self.host_link, _ = offload_offer(profile)
@@ -163,7 +169,7 @@ class ChainCosts:
                 cost = policy_cost(block, policy, self.host_link)
                 menu.append(MenuOption(cost.policy, cost.kept_bytes, cost.extra_seconds,
                                        self.alive[s] + (cost.backward_peak_bytes or 0),
-                                       cost.transient_bytes))
+                                       cost.transient_bytes + self.returned[s]))
         if self.time_noise_band:  # settled times (solve): options within the noise cost the
             # same, and the first in this order wins their tie (timing_noise.py), not the noise
             seconds = merged_within_band([option.extra_seconds for option in menu],
@@ -224,7 +230,8 @@ class ChainCosts:
         """
         block = self.blocks[s]
         hidden = 0 if input_retained else block.input_bytes
-        return hidden + block.forward_peak_bytes + (self.side[s] if top else 0)
+        return (hidden + block.forward_peak_bytes + (self.side[s] if top else 0)
+                + self.returned[s])
 
     def kept_forward_peak(self, s: int, input_retained: bool, column: int) -> int:
         """Block s's forward, kept, as the first item of a run in ``column``: what is alive
@@ -267,7 +274,7 @@ class ChainCosts:
         forward_high = backward_high = -math.inf
         for j in range(s, self.limit[s] + 1):
             block = self.blocks[j]
-            hidden = 0 if j == s else block.input_bytes
+            hidden = (0 if j == s else block.input_bytes) + self.returned[j]
             transient = max(transient, hidden + block.segment_forward_peak_bytes())
             policy_transient = max(policy_transient, hidden + block.forward_peak_bytes)
             seconds += block.recompute_seconds()
@@ -289,7 +296,7 @@ class ChainCosts:
             policy_peak = max(self.alive[j] + forward_high, backward_high)
             if j == s and block.policy_backward_peak_bytes is not None:  # measured (simulate)
                 policy_peak = self.alive[j] + block.policy_backward_peak_bytes
-                costs.policy_transient.append(block.policy_transient_bytes())
+                costs.policy_transient.append(block.policy_transient_bytes() + self.returned[s])
             else:
                 costs.policy_transient.append(policy_transient)
             costs.policy_peak.append(int(policy_peak))
@@ -321,7 +328,8 @@ class ChainCosts:
             20
         """
         block = self.blocks[s]
-        lowest = min(block.forward_peak_bytes, block.segment_forward_peak_bytes())
+        lowest = min(block.forward_peak_bytes, block.segment_forward_peak_bytes()
+                     ) + self.returned[s]
         if not self.policies:
             return lowest
         return min(lowest, *(option.transient for option in self.menu(s)))
