@@ -21,6 +21,7 @@ from gradckpt.cost import simulate
 from gradckpt.enable import check_request, plan_and_apply
 from gradckpt.errors import forget_warnings
 from gradckpt.measure import loss_of, measure_peak_bytes
+from gradckpt.measure.memory_parts import DDP_BUCKETS, memory_parts
 from gradckpt.plan import Segment
 from gradckpt.solvers.optimal import minimum_peak_bytes
 from gradckpt.toy_models import GPTConfig, TinyGPT
@@ -284,8 +285,8 @@ def test_enable_takes_plan_and_apply_which_gives_the_plan_and_its_profile(
     plan = gradckpt.enable(model, sample, None, "sqrt", optimizer="sgd", accumulation_steps=2,
                            keep_output=False)
     assert calls == [((model, sample, None, "sqrt", None, None),
-                      {"optimizer": "sgd", "accumulation_steps": 2, "keep_output": False,
-                       "output_head": "auto"})]
+                      {"optimizer": "sgd", "accumulation_steps": 2, "ddp": False,
+                       "keep_output": False, "output_head": "auto"})]
     assert gradckpt.get_plan(model) is plan and plan.segments
     gradckpt.disable(model)
 
@@ -342,3 +343,48 @@ def test_a_bad_request_is_refused_before_anything_runs(
     with pytest.raises(UsageError, match=message):
         plan_and_apply(model, sample, budget, strategy, optimizer="none")
     assert gradckpt.get_plan(model) is None
+
+
+@pytest.mark.parametrize("ddp", ["yes", 1, None])
+def test_ddp_that_is_not_a_bool_is_refused_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch, ddp: object
+) -> None:
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("profiled with a ddp= that is not a bool")
+
+    model, sample = small_gpt()
+    message = r"ddp must be True \(the model trains wrapped in DistributedDataParallel.*got "
+    with pytest.raises(UsageError, match=message):
+        gradckpt.profile(model, sample, ddp=ddp)
+    with pytest.raises(UsageError, match=message):
+        gradckpt.estimate(model, sample, ddp=ddp)
+    monkeypatch.setattr(importlib.import_module("gradckpt.enable"), "profile", must_not_run)
+    with pytest.raises(UsageError, match=message):
+        gradckpt.enable(model, sample, "60%", optimizer="none", ddp=ddp)
+    with pytest.raises(UsageError, match=message):
+        plan_and_apply(model, sample, "60%", "optimal", optimizer="none", ddp=ddp)
+    assert gradckpt.get_plan(model) is None
+
+
+def test_an_estimate_under_ddp_is_one_ranks_and_refuses_a_world_size() -> None:
+    model, sample = small_gpt()
+    with pytest.raises(UsageError, match=r"ddp=True with world_size=2: .*DDP shards nothing"):
+        gradckpt.estimate(model, sample, ddp=True, world_size=2)
+
+
+def test_ddp_counts_the_trainable_parameters_all_step() -> None:
+    """DDP's buckets are held all step: in fixed_bytes, the peak and the memory parts, each
+    trainable parameter once (the meter confirms the size on two ranks:
+    tests/integrations/test_integrations_ddp.py)."""
+    model, sample = small_gpt()
+    model.transformer.wte.weight.requires_grad_(False)  # a frozen part is no bucket's
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    plain = gradckpt.profile(model, sample, repeats=1, optimizer="adamw")
+    under_ddp = gradckpt.profile(model, sample, repeats=1, optimizer="adamw", ddp=True)
+    assert "ddp_bucket_bytes" not in plain.notes
+    assert under_ddp.notes["ddp_bucket_bytes"] == buckets
+    assert under_ddp.fixed_bytes - plain.fixed_bytes == buckets
+    assert under_ddp.peak_bytes - plain.peak_bytes == buckets
+    parts = dict(memory_parts(model, under_ddp).parts)
+    assert parts[DDP_BUCKETS] == buckets and DDP_BUCKETS not in dict(
+        memory_parts(model, plain).parts)

@@ -8,7 +8,7 @@ it and replaces it; when anything fails, the model keeps the plan it had.
 
 ``plan_and_apply`` is that path, profile → solve → apply, written once: ``enable`` wraps it, and
 the Hugging Face Trainer's callback (``integrations.hf_trainer``) calls it with what the Trainer
-fixes (its optimizer, its accumulation, a loop that drops the output first). ``check_request``
+fixes (its optimizer, its accumulation, DDP, a loop that drops the output first). ``check_request``
 refuses a strategy or budget it cannot use before anything runs.
 """
 
@@ -26,7 +26,7 @@ from .distributed import agreed_on_every_rank
 from .errors import UsageError, warn_once
 from .measure import profile
 from .measure.optimizer_step import check_optimizer
-from .measure.training_state import optimizer_state_bytes
+from .measure.training_state import check_ddp, optimizer_state_bytes
 from .plan import Plan
 from .profile_types import Profile
 from .solvers import BUDGET_DRIVEN, check_output_head, check_strategy, solve
@@ -44,6 +44,7 @@ def enable(
     *,
     optimizer: torch.optim.Optimizer | str | None = None,
     accumulation_steps: int = 1,
+    ddp: bool = False,
     keep_output: bool = True,
     output_head: str = "auto",
 ) -> Plan:
@@ -67,6 +68,10 @@ def enable(
             ``"none"`` for a loop without an optimizer step.
         accumulation_steps: micro-batches per optimizer step; above 1 the gradients held
             between micro-batches are counted.
+        ddp: ``True`` when the model will train wrapped in
+            ``torch.nn.parallel.DistributedDataParallel`` (enable on the bare model, then wrap
+            it): DDP's buckets, a copy of every trainable gradient alive all run, are counted
+            in the step, so that a rank's peak, buckets included, fits ``budget``.
         keep_output: the loop holds the model's output until backward ends (``out =
             model(**batch); out.loss.backward()``); ``False`` for loops that drop it first
             (the Hugging Face Trainer).
@@ -101,13 +106,26 @@ def enable(
         >>> plan.predicted_peak_bytes <= plan.budget_bytes
         True
         >>> gradckpt.disable(model)
+
+        Under DDP (on every rank, before ``DistributedDataParallel(model)``), ``ddp=True``
+        counts its buckets, as large as the trainable parameters:
+
+        >>> under_ddp = gradckpt.enable(model, {"idx": idx, "targets": idx}, budget=None,
+        ...                             strategy="sqrt", optimizer=optimizer, ddp=True)
+        >>> buckets = sum(p.numel() * 4 for p in model.parameters())
+        >>> plain = gradckpt.enable(model, {"idx": idx, "targets": idx}, budget=None,
+        ...                         strategy="sqrt", optimizer=optimizer)
+        >>> abs(under_ddp.predicted_peak_bytes - plain.predicted_peak_bytes - buckets) < 4096
+        True
+        >>> gradckpt.disable(model)
     """
     check_request(budget, strategy, output_head)  # a bad request is refused before any warning
+    check_ddp(ddp)
     if optimizer is None:  # "none": no optimizer step, and no warning
         _warn_without_optimizer(model)
     plan, _ = plan_and_apply(model, sample, budget, strategy, loss_fn, blocks,
                              optimizer=optimizer, accumulation_steps=accumulation_steps,
-                             keep_output=keep_output, output_head=output_head)
+                             ddp=ddp, keep_output=keep_output, output_head=output_head)
     return plan
 
 
@@ -121,6 +139,7 @@ def plan_and_apply(
     *,
     optimizer: torch.optim.Optimizer | str | None,
     accumulation_steps: int = 1,
+    ddp: bool = False,
     keep_output: bool = True,
     output_head: str = "auto",
     progress: Callable[[int, int], None] | None = None,
@@ -137,9 +156,9 @@ def plan_and_apply(
     fixes and translate errors into their own terms.
 
     Args:
-        model, sample, budget, strategy, loss_fn, blocks, accumulation_steps, keep_output,
-            output_head: as for ``enable`` (``keep_output=False``: the Trainer's loop, which
-            drops the output before backward).
+        model, sample, budget, strategy, loss_fn, blocks, accumulation_steps, ddp,
+            keep_output, output_head: as for ``enable`` (``keep_output=False``: the Trainer's
+            loop, which drops the output before backward).
         optimizer: as for ``enable``, without its default: ``None`` counts no optimizer step
             and warns of nothing.
         progress: called as ``progress(done, total)`` while profiling, as for ``profile``.
@@ -162,12 +181,13 @@ def plan_and_apply(
         >>> gradckpt.disable(model)
     """
     check_request(budget, strategy, output_head)
+    check_ddp(ddp)
     optimizer = check_optimizer(optimizer)  # a misspelt name is told before anything runs
     # Measured as the model is without a plan; any plan it had comes back if anything fails.
     with replacing_plan(model):
         measured = profile(model, sample, loss_fn=loss_fn, blocks=blocks, optimizer=optimizer,
-                           accumulation_steps=accumulation_steps, keep_output=keep_output,
-                           progress=progress)
+                           accumulation_steps=accumulation_steps, ddp=ddp,
+                           keep_output=keep_output, progress=progress)
         # solve reads a percentage of the measured step and "auto" on the model's device.
         plan = agreed_on_every_rank(
             lambda: solve(measured, budget, strategy, output_head=output_head))

@@ -22,7 +22,8 @@ from ..profile_types import Profile
 from .tensors import tensor_bytes
 
 __all__ = [
-    "ACTIVATIONS", "CUDA_RESERVE", "CUDA_RESERVE_BYTES", "FSDP_GATHERED", "FSDP_ROOT",
+    "ACTIVATIONS", "CUDA_RESERVE", "CUDA_RESERVE_BYTES", "DDP_BUCKETS", "FSDP_GATHERED",
+    "FSDP_ROOT",
     "GRADIENTS", "HEAD_CHUNK", "HEAD_UNDIVIDED", "MIXED_PRECISION_COPIES", "MemoryParts",
     "OFFLOADED", "OPTIMIZER_NAMES", "OPTIMIZER_STATE", "OUTPUT_HEAD", "PARAMETERS",
     "PLAN_ACTIVATIONS",
@@ -43,6 +44,8 @@ OUTPUT_HEAD = "logits, loss and their gradients (the output head)"
 HEAD_CHUNK = "logits, loss and their gradients (the output head: one chunk at a time)"
 HEAD_UNDIVIDED = "the rest of the output head's part, which chunking does not divide"
 MIXED_PRECISION_COPIES = "mixed-precision copies of the parameters"
+# Under DistributedDataParallel (``profile(..., ddp=True)``): its buckets, alive all run.
+DDP_BUCKETS = "DDP's buckets (a copy of the trainable gradients)"
 # One rank of an FSDP2 run (``predict.per_rank``).
 FSDP_GATHERED = "gathered in full while a block computes (FSDP)"
 FSDP_ROOT = "parameters outside the blocks and their gradients, in full (FSDP root)"
@@ -258,6 +261,7 @@ def _step_parts(model: nn.Module, profile: Profile, mixed_precision_copy_bytes: 
         PARAMETERS: sum(tensor_bytes(p) for p in parameters),
         GRADIENTS: sum(tensor_bytes(p) for p in parameters if p.requires_grad),
         OPTIMIZER_STATE: profile.optimizer_state_bytes,
+        DDP_BUCKETS: profile.notes.get("ddp_bucket_bytes", 0),
         ACTIVATIONS: sum(block.saved_bytes + block.side_bytes for block in profile.blocks),
         OUTPUT_HEAD: profile.head_bytes,
         CUDA_RESERVE: cuda_reserve_bytes,

@@ -8,8 +8,9 @@ the user's loop (step 2 on):
   its median time, measured with the previous step's output alive where the loop keeps it
   (``out = model(**batch)`` lets it go only once the next forward has returned);
 - the optimizer's state, and the peak of ``optimizer.step()`` with every gradient alive
-  (``optimizer_step.py``: the optimizer replicated on fake tensors), and with gradient
-  accumulation the gradients held between micro-batches;
+  (``optimizer_step.py``: the optimizer replicated on fake tensors), with gradient
+  accumulation the gradients held between micro-batches, and under DDP (``ddp=True``) its
+  buckets' copy of the trainable gradients (``training_state.py``);
 - per block, from the block's real inputs in that step, re-run on its own: input and output
   bytes; the bytes its autograd graph keeps (the distinct storages of the tensors it saves for
   backward, parameters excluded, its input included when saved; side inputs such as an
@@ -64,7 +65,7 @@ from .step_memory import StepMemory
 from .tensors import tensor_bytes, tensors_in
 from .timing import BlockForwardTimer, block_kind, median_seconds, pooled_times
 from .torch_checkpoints import torch_checkpoints_watched
-from .training_state import accumulated_gradient_bytes
+from .training_state import accumulated_gradient_bytes, check_ddp, ddp_bucket_bytes
 
 __all__ = ["profile"]
 
@@ -77,6 +78,7 @@ def profile(
     *,
     optimizer: torch.optim.Optimizer | str | None = None,
     accumulation_steps: int = 1,
+    ddp: bool = False,
     keep_output: bool = True,
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
@@ -97,6 +99,11 @@ def profile(
             itself is not stepped.
         accumulation_steps: micro-batches per optimizer step; above 1, the gradients the
             earlier ones leave are held all step (``accumulated_gradient_bytes``).
+        ddp: the model trains wrapped in ``torch.nn.parallel.DistributedDataParallel``
+            (profile the bare model, then wrap it): its buckets, as large as the trainable
+            parameters, hold a copy of every gradient all run, and are counted in
+            ``fixed_bytes`` and the peak (``notes["ddp_bucket_bytes"]``). The step is one
+            rank's, ``sample`` one rank's batch.
         keep_output: the step holds the model's output until backward ends, as
             ``out = model(**batch); out.loss.backward()`` does (for a language model the
             logits stay alive). ``False`` for loops that drop it before backward, such as the
@@ -119,6 +126,11 @@ def profile(
         ['transformer.h.0', 'transformer.h.1']
         >>> measured.blocks[0].input_bytes == 2 * 16 * 32 * 4
         True
+        >>> under_ddp = gradckpt.profile(model, {"idx": idx, "targets": idx}, repeats=1,
+        ...                              ddp=True)  # then DistributedDataParallel(model)
+        >>> buckets = sum(p.numel() * 4 for p in model.parameters())
+        >>> under_ddp.notes["ddp_bucket_bytes"] == buckets
+        True
     """
     named_blocks = resolve_blocks(model, blocks)
     if not isinstance(keep_output, bool):
@@ -133,6 +145,7 @@ def profile(
             or accumulation_steps < 1):
         raise UsageError(f"accumulation_steps must be a positive int (micro-batches per "
                          f"optimizer step), got {accumulation_steps!r}")
+    check_ddp(ddp)
     optimizer = check_optimizer(optimizer)  # a misspelt name is told before any step runs
     report = _progress_callback(progress)
     # On fake tensors (a modeled clock), a long chain of identical blocks runs its steps with
@@ -140,7 +153,7 @@ def profile(
     # show that this adds up, it runs again with every block.
     stand_ins = StandIns.of([module for _, module in named_blocks]) if clock.modeled() else None
     arguments = (model, sample, loss_fn, named_blocks, blocks is not None, optimizer,
-                 accumulation_steps, keep_output, repeats, report)
+                 accumulation_steps, ddp, keep_output, repeats, report)
     if stand_ins is not None:
         try:
             return _measured(*arguments, stand_ins)
@@ -156,8 +169,9 @@ def profile(
 def _measured(
     model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
     named_blocks: list[tuple[str, nn.Module]], blocks_given: bool,
-    optimizer: torch.optim.Optimizer | str | None, accumulation_steps: int, keep_output: bool,
-    repeats: int, report: Callable[[int, int], None], stand_ins: StandIns | None,
+    optimizer: torch.optim.Optimizer | str | None, accumulation_steps: int, ddp: bool,
+    keep_output: bool, repeats: int, report: Callable[[int, int], None],
+    stand_ins: StandIns | None,
 ) -> Profile:
     """``profile``'s steps, in order: record the blocks' calls, time and meter the step
     (and the chunked head's), the optimizer's step, each block on its own, and assemble."""
@@ -359,8 +373,9 @@ def _measured(
         previous_output_bytes, first_side_bytes,
     )
     accumulated = accumulated_gradient_bytes(model, accumulation_steps)
-    plain = _steady_state(assembled, memory, optimizer_step, accumulated, model, sample,
-                          keep_output)
+    buckets = ddp_bucket_bytes(model, ddp)
+    plain = _steady_state(assembled, memory, optimizer_step, accumulated, buckets, model,
+                          sample, keep_output)
     plain.notes[BLOCK_FINGERPRINTS], plain.notes[CHAIN_LENGTHS] = fingerprint
     if modeled:
         plain.notes["blocks_traced_in_steps"] = (stand_ins.kept if stand_ins is not None
@@ -374,7 +389,7 @@ def _measured(
             _assemble(measured, chunked.memory, step_seconds, device, chain_breaks,
                       sum(between[1:]) + output_held_bytes, plain.chain_input_fixed,
                       chunked.previous_output_bytes, first_side_bytes),
-            chunked.memory, optimizer_step, accumulated, model, sample, keep_output,
+            chunked.memory, optimizer_step, accumulated, buckets, model, sample, keep_output,
         )
         plain.chunked_heads.append(_chunked_head(chunked, step))
     return plain
@@ -457,12 +472,12 @@ def _assemble(
 
 def _steady_state(
     measured: Profile, memory: StepMemory, optimizer_step: OptimizerStep | None,
-    accumulated_bytes: int, model: nn.Module, sample: Any, keep_output: bool,
+    accumulated_bytes: int, ddp_bytes: int, model: nn.Module, sample: Any, keep_output: bool,
 ) -> Profile:
-    """The measured step as the loop's steady state: the optimizer's state and the gradients
-    earlier micro-batches hold, alive all step, and ``optimizer.step()`` after backward (every
-    gradient and the output the loop holds alive, plus the optimizer's temporaries); with the
-    notes that explanations of the plan read."""
+    """The measured step as the loop's steady state: the optimizer's state, the gradients
+    earlier micro-batches hold and DDP's buckets (``ddp_bytes``), alive all step, and
+    ``optimizer.step()`` after backward (every gradient and the output the loop holds alive,
+    plus the optimizer's temporaries); with the notes that explanations of the plan read."""
     state_bytes = optimizer_step.state_bytes if optimizer_step else 0
     measured.optimizer_state_bytes = state_bytes
     measured.accumulated_gradient_bytes = accumulated_bytes
@@ -470,8 +485,9 @@ def _steady_state(
         after_backward = memory.end - (memory.start - measured.previous_output_bytes)
         measured.optimizer_step_bytes = (max(0, after_backward - accumulated_bytes)
                                          + optimizer_step.temporary_bytes)
-    measured.fixed_bytes += state_bytes + accumulated_bytes
-    measured.peak_bytes = max(memory.peak + state_bytes + accumulated_bytes,
+    held_all_step = state_bytes + accumulated_bytes + ddp_bytes
+    measured.fixed_bytes += held_all_step
+    measured.peak_bytes = max(memory.peak + held_all_step,
                               measured.fixed_bytes + measured.optimizer_step_bytes)
     parameters = list({id(p): p for p in model.parameters()}.values())
     dtypes: dict[str, int] = {}
@@ -487,6 +503,8 @@ def _steady_state(
         trainable_parameter_bytes=sum(tensor_bytes(p) for p in parameters if p.requires_grad),
         batch_size=int(first.shape[0]) if first is not None and first.dim() else None,
     )
+    if ddp_bytes:  # the memory parts name them (measure/memory_parts.py)
+        measured.notes["ddp_bucket_bytes"] = ddp_bytes
     return measured
 
 

@@ -7,9 +7,14 @@ has run a while:
   ``optimizer.step()`` and alive from then on;
 - with gradient accumulation, the gradients of the earlier micro-batches, alive from the start
   of each later forward pass. Counted here in full: the measured step allocates them during
-  backward anyway, so this over-counts by what it held of them at its peak, never under.
+  backward anyway, so this over-counts by what it held of them at its peak, never under;
+- under ``DistributedDataParallel`` (``ddp=True``), its buckets: flat buffers, one per dtype
+  and device up to ``bucket_cap_mb`` each, that DDP allocates when it wraps the model and keeps
+  for the whole run, together as large as the trainable parameters. With the default
+  ``gradient_as_bucket_view=False`` they hold a copy of every gradient, beside the gradients
+  themselves.
 
-``gradckpt.profile`` counts both in the step it measures (``Profile.fixed_bytes``); the
+``gradckpt.profile`` counts them all in the step it measures (``Profile.fixed_bytes``); the
 optimizer's state is measured there (``measure/optimizer_step.py``), and counted here only for
 an optimizer that cannot be replicated on fake tensors (bitsandbytes' 8-bit ones).
 """
@@ -26,7 +31,7 @@ from .tensors import tensor_bytes
 
 __all__ = [
     "OPTIMIZER_STATES_PER_PARAMETER", "OPTIMIZER_STATE_BYTES_PER_PARAMETER",
-    "accumulated_gradient_bytes", "optimizer_state_bytes",
+    "accumulated_gradient_bytes", "check_ddp", "ddp_bucket_bytes", "optimizer_state_bytes",
 ]
 
 # Tensors of a parameter's shape and dtype that each optimizer keeps per trainable parameter,
@@ -122,5 +127,50 @@ def accumulated_gradient_bytes(model: nn.Module, accumulation_steps: int) -> int
         (0, 80)
     """
     if accumulation_steps <= 1:
+        return 0
+    return sum(tensor_bytes(p) for p in _trainable(model.parameters()))
+
+
+def check_ddp(ddp: object) -> bool:
+    """``ddp`` as given, when it is a bool; otherwise ``UsageError`` (a process group or a
+    DDP object is not what it asks).
+
+    Example:
+        >>> check_ddp(True)
+        True
+        >>> check_ddp("yes")
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: ddp must be True (the model trains wrapped in ...
+    """
+    if not isinstance(ddp, bool):
+        raise UsageError(
+            f"ddp must be True (the model trains wrapped in DistributedDataParallel, whose "
+            f"buckets hold a copy of the trainable gradients all run) or False (the default); "
+            f"got {ddp!r}"
+        )
+    return ddp
+
+
+def ddp_bucket_bytes(model: nn.Module, ddp: bool) -> int:
+    """Bytes of ``DistributedDataParallel``'s buckets for ``model`` when it trains wrapped in
+    one (``ddp=True``; none otherwise): the trainable parameters' bytes, each in its dtype.
+
+    DDP's reducer lays every parameter that requires grad into a flat bucket of its dtype and
+    device, at its number of elements, when it wraps the model (laid out again in the order
+    gradients come after the first step, the same size), and keeps the buckets until it is
+    freed. With ``gradient_as_bucket_view=False`` (the default, and
+    what the Hugging Face Trainer builds) they are a copy of the gradients that backward
+    copies in and all-reduces; with ``True`` they are the gradients themselves, then alive all
+    step instead of from backward on, and counting them besides the gradients over-counts the
+    backward pass by their size, never under.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(4, 4)  # 20 parameters, fp32
+        >>> ddp_bucket_bytes(layer, True), ddp_bucket_bytes(layer, False)
+        (80, 0)
+    """
+    if not ddp:
         return 0
     return sum(tensor_bytes(p) for p in _trainable(model.parameters()))

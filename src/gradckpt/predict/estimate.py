@@ -32,6 +32,7 @@ from ..measure.memory_parts import CUDA_RESERVE, CUDA_RESERVE_BYTES, memory_part
 from ..measure.profile import profile
 from ..measure.step import run_model
 from ..measure.tensors import tensor_bytes
+from ..measure.training_state import check_ddp
 from ..profile_types import Profile
 from .attention import TargetAttention
 from .clock import ModeledClock
@@ -50,6 +51,7 @@ def estimate(
     device: str | DeviceSpec | dict | None = "this",
     optimizer: torch.optim.Optimizer | str | None = None,
     accumulation_steps: int = 1,
+    ddp: bool = False,
     world_size: int = 1,
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
@@ -73,6 +75,9 @@ def estimate(
             ``"adamw"`` / ``"adam"`` (two moments per trainable parameter), ``"sgd"`` (none),
             ``"adamw-8bit"`` (bitsandbytes: two bytes per parameter, counted), an optimizer
             object, or ``None`` (no optimizer step).
+        ddp: as for ``profile``: one rank of a run under ``DistributedDataParallel``, whose
+            buckets (a copy of the trainable gradients, alive all run) are counted, and named
+            in the memory parts. DDP does not shard, so ``world_size`` stays 1 with it.
         world_size: the ranks that shard parameters, gradients and optimizer state as FSDP2
             does with ``fully_shard`` on each block and on the root (``per_rank.shard``); the
             profile is then one rank's and ``sample`` is one rank's batch.
@@ -108,10 +113,22 @@ def estimate(
         >>> predicted = estimate(model, {"idx": idx, "targets": idx}, device="h100-80gb")
         >>> predicted.blocks[0].input_bytes == 2 * 16 * 32 * 4, predicted.notes["estimated_for"]
         (True, 'h100-80gb')
+        >>> one_rank = estimate(model, {"idx": idx, "targets": idx}, device="h100-80gb",
+        ...                     ddp=True)  # under DistributedDataParallel
+        >>> buckets = one_rank.notes["memory_parts"]["DDP's buckets (a copy of the trainable "
+        ...                                         "gradients)"]
+        >>> buckets == sum(p.numel() * 4 for p in model.parameters())
+        True
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"world_size must be a positive int (the ranks sharding the model), "
                          f"got {world_size!r}")
+    if check_ddp(ddp) and world_size > 1:
+        raise UsageError(
+            f"ddp=True with world_size={world_size}: world_size is the ranks sharding the model "
+            f"as FSDP2 does, and DDP shards nothing; estimate one DDP rank with world_size=1 "
+            f"(its sample one rank's batch)"
+        )
     spec = device_spec(device)
     for name, value in (("dtype", dtype), ("autocast", autocast)):
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
@@ -135,7 +152,8 @@ def estimate(
         with mode, ModeledClock(spec) as clock, target or contextlib.nullcontext():
             predicted = profile(
                 model, fake_sample, loss_fn=loss_fn, blocks=blocks, optimizer=optimizer,
-                accumulation_steps=accumulation_steps, keep_output=keep_output, repeats=1,
+                accumulation_steps=accumulation_steps, ddp=ddp, keep_output=keep_output,
+                repeats=1,
                 progress=progress,
             )
             copies = _parameter_copy_bytes(model, fake_sample) if autocast is not None else 0
