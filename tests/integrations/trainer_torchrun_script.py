@@ -70,6 +70,7 @@ def train(out_dir: Path, parallel: str, batch_size: int, with_callback: bool,
             peak_bytes=metering.meter.peak(),
             trainable_bytes=sum(p.numel() * p.element_size()
                                 for p in trainer.model.parameters() if p.requires_grad),
+            ddp_bucket_bytes=callback.profile.notes.get("ddp_bucket_bytes", 0),
             distributed_type=trainer.accelerator.distributed_type.value,
             wrapped_in=type(trainer.model_wrapped).__name__,
         )

@@ -82,12 +82,16 @@ class GradckptCallback(transformers.TrainerCallback):
     2. plans through ``gradckpt.enable``'s code, in training mode, for the step the Trainer
        runs once under way: its optimizer's state and step (its ``args.optim`` when it has
        none yet), its ``gradient_accumulation_steps``, the output dropped before backward as
-       its ``compute_loss`` does (a percentage budget is of that whole step's peak); the plan
-       replaces any the model carries;
+       its ``compute_loss`` does (a percentage budget is of that whole step's peak), and,
+       where the Trainer wraps the model in ``DistributedDataParallel`` (under ``torchrun``:
+       Accelerate's multi-process state other than FSDP and DeepSpeed, a trainable
+       parameter), DDP's buckets, a copy of the trainable gradients alive all run
+       (``enable(..., ddp=True)``; the Trainer builds DDP without
+       ``gradient_as_bucket_view``); the plan replaces any the model carries;
     3. says what it applied in one line on the ``"gradckpt"`` logger at WARNING, which Python
        shows by default (blocks recomputed, predicted peak, budget; the plan's table at INFO),
        and keeps the plan as ``self.plan`` (the profile as ``self.profile``, the optimizer's
-       state and accumulated gradients it counted as ``self.reserved_bytes``);
+       state, accumulated gradients and DDP's buckets it counted as ``self.reserved_bytes``);
     4. on a GPU, after the first steps, logs their measured peak against the prediction and
        the budget (``self.measured_peak_bytes``; a step over the budget also warns, as every
        applied plan does on CUDA).
@@ -188,7 +192,8 @@ class GradckptCallback(transformers.TrainerCallback):
                 plan, measured = plan_and_apply(
                     model, sample, self.budget, self.strategy, self.loss_fn, self.blocks,
                     optimizer=_optimizer_for(optimizer, args),
-                    accumulation_steps=args.gradient_accumulation_steps, keep_output=False,
+                    accumulation_steps=args.gradient_accumulation_steps,
+                    ddp=_wrapped_in_ddp(args, model), keep_output=False,
                     output_head=self.output_head,
                 )
         except BudgetError as error:
@@ -198,7 +203,8 @@ class GradckptCallback(transformers.TrainerCallback):
                 f"GradckptCallback could not profile {type(model).__name__}: {error} "
                 f"(give the callback blocks=, loss_fn= or sample= as needed)"
             ) from error
-        reserved_bytes = measured.optimizer_state_bytes + measured.accumulated_gradient_bytes
+        reserved_bytes = (measured.optimizer_state_bytes + measured.accumulated_gradient_bytes
+                          + measured.notes.get("ddp_bucket_bytes", 0))
         self.plan, self.profile, self.reserved_bytes = plan, measured, reserved_bytes
         logger.warning("gradckpt: %s", plan_summary(plan, measured, self.budget))
         logger.info("GradckptCallback's plan for %s:\n%s", type(model).__name__, plan)
@@ -316,6 +322,37 @@ def _optimizer_for(
     # The Trainer's default is AdamW; Adafactor, Lion and 8-bit optimizers keep less, so
     # counting two full-size states for them errs on the safe side.
     return "adamw"
+
+
+def _wrapped_in_ddp(args: transformers.TrainingArguments, model: nn.Module) -> bool:
+    """Whether the Trainer trains ``model`` wrapped in ``DistributedDataParallel``, as
+    Accelerate's ``prepare_model`` (1.16) decides: more than one process in a ``MULTI_*`` state
+    (``MULTI_GPU``, ``MULTI_CPU``, ...; not ``FSDP`` or ``DEEPSPEED``; on CPU the Trainer's FSDP
+    settings give ``MULTI_CPU`` and DDP), no tensor parallelism, and a trainable parameter. The
+    Trainer builds DDP's options from ``ddp_find_unused_parameters``, ``ddp_bucket_cap_mb``,
+    ``ddp_broadcast_buffers`` and ``ddp_static_graph``, never ``gradient_as_bucket_view``: the
+    buckets are a copy. Without an Accelerate state (a callback called by hand), the arguments
+    say it: ``parallel_mode`` distributed over more than one process, without FSDP or
+    DeepSpeed.
+
+    Example:
+        >>> import tempfile, torch, transformers
+        >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), use_cpu=True)
+        >>> _wrapped_in_ddp(args, torch.nn.Linear(2, 2))  # one process
+        False
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        return False  # Accelerate wraps only a model with something to train
+    from accelerate.state import AcceleratorState, is_initialized
+
+    parallelism = getattr(args, "parallelism_config", None)
+    if parallelism is not None and getattr(parallelism, "tp_enabled", False):
+        return False
+    if is_initialized():  # the Trainer's Accelerator made it
+        state = AcceleratorState()
+        return state.num_processes > 1 and state.distributed_type.name.startswith("MULTI_")
+    return (args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
+            and args.world_size > 1 and not args.fsdp and not args.deepspeed)
 
 
 @contextlib.contextmanager
