@@ -73,5 +73,12 @@ def gradients_preserved(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
+        # The parameters registered now: FSDP2 swaps a module's sharded parameters for
+        # unsharded ones while it computes (and a forward without gradients leaves the root's
+        # unsharded), so those registered at the end may be others than at the start, holding
+        # gradients of the steps run inside.
+        for parameter in model.parameters():
+            if parameter not in grads:
+                parameter.grad = None
         for parameter, grad in grads.items():
             parameter.grad = grad
