@@ -83,15 +83,15 @@ from ..engine import first_tensor
 from ..engine.segments import is_alias
 from ..errors import UsageError, did_you_mean
 from .model_state import buffers_and_rng_preserved
+from .stacks import (
+    candidate_stacks,
+    chosen_stacks,
+    join_name,
+    original_class,
+)
 from .step import run_model
 
 __all__ = ["find_blocks", "resolve_blocks"]
-
-# A stack beside the main one counts when it holds at least this share of the main stack's
-# parameters: an encoder-decoder model's smaller stack holds about as many (T5's decoder layers
-# hold more than its encoder's, for their cross-attention), while lists of heads or embeddings
-# that run side by side hold a few percent.
-_SECONDARY_STACK_MIN_SHARE = 0.1
 
 _HOW_TO_PASS_BLOCKS = (
     "pass the blocks yourself, in the order the forward pass runs them, as blocks= to "
@@ -145,38 +145,8 @@ def find_blocks(model: nn.Module, sample: Any = None) -> list[tuple[str, nn.Modu
     if not isinstance(model, nn.Module):
         raise UsageError(f"find_blocks() needs a torch.nn.Module, got {type(model).__name__}")
     if sample is None:
-        return _blocks_of(_chosen_stacks(model), model)
+        return _blocks_of(chosen_stacks(model), model)
     return _blocks_that_run(model, sample)
-
-
-def _chosen_stacks(model: nn.Module, ran: Any = None) -> list[tuple[str, nn.Module]]:
-    """Rules 1-3 and 5 of the module docstring: the stacks of the chain, in creation order;
-    with ``ran`` (a predicate on a stack), chosen among the stacks it holds true for."""
-    candidates = _candidate_stacks(model)
-    if ran is not None:
-        candidates = [(name, stack) for name, stack in candidates if ran(stack)]
-    if not candidates:
-        return []
-    one_class = [(name, stack) for name, stack in candidates if _is_stack(stack)]
-    mixed = [(name, stack) for name, stack in candidates if not _is_stack(stack)]
-    stacks = one_class
-    if mixed:  # the biggest list of several classes, where it is the main stack (rule 1)
-        mixed_name, mixed_stack = max(mixed, key=lambda item: _parameter_count(item[1]))
-        outside = [(name, stack) for name, stack in one_class
-                   if not _is_inside(name, mixed_name)]
-        if all(_parameter_count(mixed_stack) > _parameter_count(stack) for _, stack in outside):
-            kept = {mixed_name, *(name for name, _ in outside)}
-            stacks = [(name, stack) for name, stack in candidates if name in kept]
-    main_name, main_stack = max(stacks, key=lambda item: _parameter_count(item[1]))
-    main_parameters = _parameter_count(main_stack)
-    main_classes = _block_classes(main_stack)
-    return [
-        (name, stack)
-        for name, stack in stacks
-        if name == main_name
-        or _parameter_count(stack) >= _SECONDARY_STACK_MIN_SHARE * main_parameters
-        or _block_classes(stack) <= main_classes
-    ]
 
 
 def _blocks_of(stacks: list[tuple[str, nn.Module]], model: nn.Module
@@ -191,7 +161,7 @@ def _blocks_of(stacks: list[tuple[str, nn.Module]], model: nn.Module
             f"itself an nn.Sequential of 2 or more modules; {_HOW_TO_PASS_BLOCKS}"
         )
     return [
-        (_join(name, child_name), child)
+        (join_name(name, child_name), child)
         for name, stack in stacks
         for child_name, child in stack.named_children()
     ]
@@ -298,63 +268,6 @@ def resolve_blocks(
 # --------------------------------------------------------------------------------------------
 
 
-def _candidate_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every stack of one class (rule 1) not inside another one (rule 2), and every
-    ``nn.ModuleList`` of several classes not inside those, in named_modules order; the model
-    itself where there are none and it is an ``nn.Sequential`` of 2 or more (rule 5)."""
-    stacks: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not _is_stack(module):
-            continue
-        if any(_is_inside(name, outer) for outer, _ in stacks):
-            continue  # named_modules lists parents before children: the outer one is in already
-        stacks.append((name, module))
-    mixed = [
-        (name, module) for name, module in model.named_modules()
-        if name and _is_mixed_list(module)
-        and not any(_is_inside(name, outer) for outer, _ in stacks)
-    ]
-    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
-    found = sorted([*stacks, *mixed], key=lambda item: order[item[0]])
-    if not found and isinstance(model, nn.Sequential) and len(model) >= 2:
-        return [("", model)]
-    return found
-
-
-def _is_stack(module: nn.Module) -> bool:
-    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-        return False
-    children = list(module.children())
-    return len(children) >= 2 and len({_original_class(child) for child in children}) == 1
-
-
-def _is_mixed_list(module: nn.Module) -> bool:
-    children = list(module.children())
-    return (isinstance(module, nn.ModuleList) and len(children) >= 2
-            and len({_original_class(child) for child in children}) > 1)
-
-
-def _original_class(module: nn.Module) -> type:
-    # checkpoint_module swaps a module's class for a subclass that remembers the original
-    return getattr(type(module), "_gradckpt_original_class", type(module))
-
-
-def _block_classes(stack: nn.Module) -> set[type]:
-    return {_original_class(child) for child in stack.children()}
-
-
-def _parameter_count(module: nn.Module) -> int:
-    return sum(parameter.numel() for parameter in module.parameters())
-
-
-def _is_inside(name: str, outer: str) -> bool:
-    return outer == "" or name.startswith(outer + ".")
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _module_by_name(model: nn.Module, name: str, *, what: str) -> nn.Module:
     try:
         return model.get_submodule(name)
@@ -378,7 +291,7 @@ def _module_by_name(model: nn.Module, name: str, *, what: str) -> nn.Module:
 def _blocks_that_run(model: nn.Module, sample: Any) -> list[tuple[str, nn.Module]]:
     """Rule 4 with a sample: the blocks of the stacks chosen among those that ran on
     ``sample``, sorted by when each first ran in one no-grad forward pass of ``model``."""
-    stacks = _candidate_stacks(model)
+    stacks = candidate_stacks(model)
     if not stacks:
         _blocks_of(stacks, model)  # raises: no chain, and nothing to run the model for
     watched = _blocks_of(stacks, model)
@@ -407,10 +320,10 @@ def _blocks_that_run(model: nn.Module, sample: Any) -> list[tuple[str, nn.Module
             handle.remove()
 
     ran_ids = {id(watched[index][1]) for index in first_call}
-    chosen = _chosen_stacks(
+    chosen = chosen_stacks(
         model, ran=lambda stack: any(id(child) in ran_ids for child in stack.children()))
     if not chosen:  # no stack ran: the blocks found by structure did not
-        chosen = _chosen_stacks(model)
+        chosen = chosen_stacks(model)
     index_of = {name: index for index, (name, _) in enumerate(watched)}
     blocks = [index_of[name] for name, _ in _blocks_of(chosen, model)]
     _, missing = blocks_not_run([watched[index] for index in blocks],
@@ -485,7 +398,7 @@ def blocks_not_run(
 
     def kind(index: int) -> tuple[str, type]:
         name, module = blocks[index]
-        return _stack_name(name), _original_class(module)
+        return _stack_name(name), original_class(module)
 
     kinds_that_ran = {kind(index) for index in ran}
     left_out = [index for index in not_run if kind(index) not in kinds_that_ran]
