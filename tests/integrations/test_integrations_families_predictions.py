@@ -16,6 +16,8 @@ each built tiny from its config as ``bench/architectures.py`` builds it (hidden 
 - RoFormer (a BERT-like encoder as a causal LM): its embeddings save their layer norm's input
   and their dropout mask, alive through the chain's forward (``Profile.before_chain_bytes``),
   which is the step's peak once the loss runs in chunks.
+- BART as a causal LM (its decoder alone): the cross-attention gets no gradient, and AdamW
+  keeps no state for it (the optimizer's state counts the parameters the step trains).
 
 Each plans the step users write with AdamW (``enable(budget="60%", optimizer="adamw")``, the
 least feasible budget where that cannot be met), Transformers' every-layer layout, and the
@@ -69,6 +71,13 @@ ARCHITECTURES = {
                  {"embedding_size": 64, "intermediate_size": 128,
                   "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 256,
                   "is_decoder": True}),
+    # Its own names for the sizes; only the decoder runs (its cross-attention, given no
+    # encoder output, gets no gradient and AdamW no state for it).
+    "bart": ("BartForCausalLM", "BartConfig",
+             {"d_model": 64, "decoder_layers": 2, "decoder_ffn_dim": 128,
+              "decoder_attention_heads": 4, "encoder_layers": 2, "encoder_ffn_dim": 128,
+              "encoder_attention_heads": 4, "max_position_embeddings": 256,
+              "is_decoder": True}),
 }
 
 
@@ -77,7 +86,10 @@ def tiny_model(model_type: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor
     model_name, config_name, sizes = ARCHITECTURES[model_type]
     if not hasattr(transformers, model_name):
         pytest.skip(f"{model_name} is not in this Transformers")
-    config = getattr(transformers, config_name)(**TINY, **sizes)
+    common = TINY if "d_model" not in sizes else {
+        name: value for name, value in TINY.items()
+        if name in ("vocab_size", "attention_dropout", "use_cache")}
+    config = getattr(transformers, config_name)(**common, **sizes)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).train()

@@ -119,3 +119,38 @@ def test_a_misspelt_optimizer_is_told_the_name_it_is_close_to(name: str, close: 
         optimizer_step.check_optimizer(name)
     with pytest.raises(UsageError, match=f"; did you mean '{close}'"):
         optimizer_state_bytes(name, torch.nn.Linear(2, 2))
+
+
+class _WithUnusedPart(torch.nn.Module):
+    """A layer that trains and one its forward never calls (a decoder-only BART's
+    cross-attention, given no encoder output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(16, 16)
+        self.unused = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "users"])
+def test_a_parameter_the_step_gives_no_gradient_gets_no_state(optimizer: str) -> None:
+    """AdamW makes no state for a parameter whose gradient stays None: profile counts the
+    state of those the step trains, what the real optimizer holds from step 2 on."""
+    import gradckpt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_WithUnusedPart(), _WithUnusedPart())
+    sample = torch.randn(4, 16)
+    real = torch.optim.AdamW(model.parameters())
+    measured = gradckpt.profile(model, sample, optimizer=real if optimizer == "users" else
+                                optimizer, repeats=1)
+    for _ in range(2):
+        model(sample).sum().backward()
+        real.step()
+        real.zero_grad(set_to_none=True)
+    held = sum(value.numel() * value.element_size() for state in real.state.values()
+               for value in state.values())
+    assert len(real.state) == 4  # the used layers' weights and biases
+    assert measured.optimizer_state_bytes == held

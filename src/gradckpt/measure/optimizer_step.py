@@ -66,8 +66,11 @@ class OptimizerStep:
 
 def measure_optimizer_step(
     optimizer: torch.optim.Optimizer | str | None, model: nn.Module, device: torch.device | str,
+    trained: set[int] | None = None,
 ) -> OptimizerStep | None:
-    """The state and step temporaries of ``optimizer`` training ``model`` on ``device``.
+    """The state and step temporaries of ``optimizer`` training ``model`` on ``device``;
+    with ``trained`` (the ``id`` of each parameter the step gives a gradient), of those alone:
+    an optimizer makes no state for a parameter whose gradient stays None.
 
     ``optimizer`` is an optimizer (its class, groups and settings are replicated), a name from
     ``OPTIMIZER_NAMES`` (that ``torch.optim`` class with its defaults over every trainable
@@ -87,7 +90,7 @@ def measure_optimizer_step(
     if check_optimizer(optimizer) is None:
         return None
     device = torch.device(device)
-    optimizer_class, groups, name = _what_to_replicate(optimizer, model)
+    optimizer_class, groups, name = _what_to_replicate(optimizer, model, trained)
     if optimizer_class is None:
         return OptimizerStep(optimizer_state_bytes(optimizer, model), 0, name, measured=False)
     try:
@@ -128,21 +131,26 @@ def check_optimizer(optimizer: Any) -> torch.optim.Optimizer | str | None:
 
 
 def _what_to_replicate(
-    optimizer: torch.optim.Optimizer | str, model: nn.Module
+    optimizer: torch.optim.Optimizer | str, model: nn.Module, trained: set[int] | None = None,
 ) -> tuple[type | None, list[dict[str, Any]], str]:
-    """The class to build, its parameter groups (real parameters, trainable ones only) and the
-    optimizer's name; the class is None for an optimizer only counted."""
+    """The class to build, its parameter groups (real parameters, trainable ones only, of
+    ``trained`` where given) and the optimizer's name; the class is None for an optimizer only
+    counted."""
+
+    def stepped(parameter: torch.Tensor) -> bool:
+        return parameter.requires_grad and (trained is None or id(parameter) in trained)
+
     if isinstance(optimizer, str):
         name = optimizer.lower()
         if name in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
             return None, [], optimizer
         by_lower_name = {known.lower(): known for known in OPTIMIZER_STATES_PER_PARAMETER}
-        trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+        trainable = list({id(p): p for p in model.parameters() if stepped(p)}.values())
         return getattr(torch.optim, by_lower_name[name]), [{"params": trainable}], \
             by_lower_name[name]
     groups = [
         {**{key: value for key, value in group.items() if key != "params"},
-         "params": [p for p in group["params"] if p.requires_grad]}
+         "params": [p for p in group["params"] if stepped(p)]}
         for group in optimizer.param_groups
     ]
     return type(optimizer), groups, type(optimizer).__name__

@@ -203,6 +203,11 @@ def _measured(
         with torch_checkpoints_watched(named_blocks), heads_called() as heads:
             recording = record_block_calls(model, sample, loss_fn, modules,
                                            out if modeled and keep_output else None)
+        # What the step trains: an optimizer keeps state only for parameters that get a
+        # gradient (a decoder-only BART's cross-attention, unused, gets none). Read on a real
+        # clock: on a modeled one, blocks standing in (stand_ins) ran no backward of their own.
+        trained = None if modeled else (
+            {id(p) for p in model.parameters() if p.grad is not None} or None)
         head = head_to_chunk(model, heads)
         if not isinstance(head, str):  # the steps before the counts are known
             steps += 1 if modeled else 2
@@ -320,7 +325,7 @@ def _measured(
         whole_steps.close()
         out.output = None
         optimizer_step = measure_optimizer_step(
-            optimizer, model, clock.modeled_device_kind() or device)
+            optimizer, model, clock.modeled_device_kind() or device, trained)
         measured: list[BlockProfile] = []
         saved_side_inputs: list[dict[int, int]] = []
         time_ratios = []
