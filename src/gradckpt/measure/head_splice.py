@@ -79,6 +79,8 @@ def head_replaced(plain: StepMemory, run: StepMemory) -> tuple[StepMemory, float
     for mark in whole.marks:
         whole.highest[mark.phase] = max(whole.highest[mark.phase], mark.peak)
     whole.start = plain.start + start_change
+    if plain.chain_forward_start:
+        whole.chain_forward_start = plain.chain_forward_start + start_change
     whole.chain_backward_start = plain.chain_backward_start + after_change
     if plain.chain_backward_end:
         whole.chain_backward_end = plain.chain_backward_end + after_change

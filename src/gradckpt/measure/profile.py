@@ -458,9 +458,7 @@ def _assemble(
         chain_input_fixed=chain_input_fixed,
         previous_output_bytes=previous_output_bytes,
     )
-    # Read on a real clock: the steps a modeled one puts together (stand_ins.splice,
-    # head_splice) do not carry the chain's start.
-    if memory.chain_forward_start and not clock.modeled():
+    if memory.chain_forward_start:
         measured.before_chain_bytes = max(0, memory.chain_forward_start - memory.start
                                           - (0 if chain_input_fixed else blocks[0].input_bytes)
                                           - first_side_bytes)

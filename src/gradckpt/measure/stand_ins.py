@@ -221,6 +221,7 @@ def splice(memory: StepMemory, kept: int, count: int) -> tuple[StepMemory, float
     last_returned = marks[at["returned", kept - 1]].current + added * forward_bytes
     whole.highest["head"] = max(whole.highest["head"], last_returned)
     whole.start = memory.start
+    whole.chain_forward_start = memory.chain_forward_start  # before any block: as it was
     whole.chain_backward_start = memory.chain_backward_start + added * forward_bytes
     if memory.chain_backward_end:
         whole.chain_backward_end = memory.chain_backward_end + added * (
