@@ -12,7 +12,7 @@ import pytest
 from test_cli_commands import error_lines
 
 from gradckpt.cli import main
-from gradckpt.measure.memory_parts import GRADIENTS, MIXED_PRECISION_COPIES
+from gradckpt.measure.memory_parts import DDP_BUCKETS, GRADIENTS, MIXED_PRECISION_COPIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,3 +104,23 @@ def test_autocast_with_a_16_bit_dtype_says_which_to_drop(capsys):
         "forward under autocast; with --dtype fp16 the whole model is fp16 already: drop "
         "--autocast (pure fp16) or --dtype (mixed precision)"
     )
+
+
+def test_ddp_counts_its_buckets_estimated_and_measured(tmp_path, capsys):
+    lines, ddp = estimated(["--ddp"], tmp_path / "ddp.json", capsys)
+    _, one = estimated([], tmp_path / "one.json", capsys)
+    assert lines[1].endswith("float32, optimizer none, DDP's buckets counted")
+    gradients = one["memory_parts"][GRADIENTS]
+    assert ddp["memory_parts"][DDP_BUCKETS] == gradients > 0  # a copy of every gradient
+    assert ddp["profile"]["fixed_bytes"] - one["profile"]["fixed_bytes"] == gradients
+    header, peak = measured_peak(["--ddp"], capsys)
+    assert header.endswith(", cpu, DDP's buckets counted")
+    assert peak > measured_peak([], capsys)[1]
+
+
+def test_ddp_is_refused_by_fit_and_with_a_world_size(capsys):
+    assert main(["fit", "mlp-chain", "--device", "h100", "--ddp"]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "--ddp: gradckpt fit does not search configurations trained under DDP yet" in line
+    assert main([*ESTIMATE, "--ddp", "--world-size", "2"]) != 0
+    assert "world_size" in capsys.readouterr().err

@@ -70,6 +70,14 @@ def test_accumulated_gradients_are_a_part_of_their_own() -> None:
     assert "train adapters on a frozen base (LoRA) so that fewer gradients exist" in text
 
 
+def test_ddp_buckets_are_a_part_of_their_own() -> None:
+    text = explained(step(fixed_bytes=6000, ddp_bucket_bytes=5000, gradient_bytes=300))
+    assert "DDP's buckets (a copy of the trainable gradients) 4.88 KiB" in text
+    assert "the parameters, buffers and batch 1000 B" in text
+    assert ("train adapters on a frozen base (LoRA) so that fewer gradients exist or shard the "
+            "model with FSDP2 instead of DDP") in text
+
+
 def test_without_state_or_accumulation_the_label_is_as_before() -> None:
     text = explained(step(head_bytes=600))
     assert "memory held all step (parameters, buffers, the batch) 1000 B" in text

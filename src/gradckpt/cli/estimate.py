@@ -124,7 +124,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         profile = gradckpt.estimate(
             target.model, target.sample, device=spec, optimizer=optimizer, dtype=dtype,
             autocast=autocast_dtype(args), accumulation_steps=args.accumulation_steps,
-            keep_output=not args.drop_output, world_size=args.world_size, progress=report,
+            keep_output=not args.drop_output, world_size=args.world_size, ddp=args.ddp,
+            progress=report,
         )
     with explained_for_the_command_line():  # "auto": the target's memory (solve reads it)
         plan = gradckpt.solve(profile, args.budget, args.strategy,

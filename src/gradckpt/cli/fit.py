@@ -71,6 +71,10 @@ def run_fit(args: argparse.Namespace) -> int:
         levers = None if args.levers is None else check_levers(args.levers)
     except UsageError as error:
         raise CommandLineError(f"--levers: {error}") from None
+    if args.ddp:
+        raise CommandLineError(
+            "--ddp: gradckpt fit does not search configurations trained under DDP yet; "
+            "plan one with gradckpt plan MODEL --estimate --ddp ...")
     spec = target_device(args.device)  # an unknown target is told before any slow work
     torch.manual_seed(args.seed)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")

@@ -363,6 +363,13 @@ def _step_parent() -> argparse.ArgumentParser:
         "peak and the memory parts are then per rank, and --batch is one rank's batch (default "
         "1: one process holding the whole model; fit always predicts)",
     )
+    step.add_argument(
+        "--ddp",
+        action="store_true",
+        help="the model trains wrapped in DistributedDataParallel (torchrun): its buckets, a "
+        "copy of every trainable gradient alive all run, are counted (plan only; --batch is "
+        "one rank's batch; not with --world-size, which shards as FSDP2 does)",
+    )
     step.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     return step
 

@@ -64,7 +64,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if autocast is not None:  # as Accelerate applies mixed precision: the forward wrapped
         model.forward = torch.autocast(device.type, dtype=autocast)(model.forward)
     profile = profile_with_bar(model, sample, keep_output=not args.drop_output,
-                               optimizer=optimizer, accumulation_steps=args.accumulation_steps)
+                               optimizer=optimizer, accumulation_steps=args.accumulation_steps,
+                               ddp=args.ddp)
     optimizer_bytes = profile.optimizer_state_bytes
     with explained_for_the_command_line():  # a percentage of the whole step, "auto" here
         plan = solve(profile, args.budget, args.strategy, output_head=args.output_head)

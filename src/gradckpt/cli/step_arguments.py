@@ -106,4 +106,6 @@ def step_words(args: argparse.Namespace) -> str:
         words.append(f"{args.accumulation_steps} micro-batches accumulated")
     if args.drop_output:
         words.append("output dropped before backward" + (" (Trainer)" if args.trainer else ""))
+    if getattr(args, "ddp", False):
+        words.append("DDP's buckets counted")
     return "".join(f", {word}" for word in words)

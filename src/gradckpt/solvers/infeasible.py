@@ -193,14 +193,17 @@ def _parts_at_peak(profile: Profile, phases: dict[str, int], phase: str, step: _
     optimizer_name = f" ({step.optimizer})" if step.optimizer else ""
     state = min(step.optimizer_state_bytes, profile.fixed_bytes)
     accumulated = min(step.accumulated_gradient_bytes, profile.fixed_bytes - state)
+    buckets = min(profile.notes.get("ddp_bucket_bytes", 0),
+                  profile.fixed_bytes - state - accumulated)
     parts = [
         ("optimizer_state", f"the optimizer's state{optimizer_name}", state),
         ("accumulated", "gradients held between micro-batches", accumulated),
+        ("ddp_buckets", "DDP's buckets (a copy of the trainable gradients)", buckets),
         # With the state or gradients named apart, "held all step" would not tell the rest.
         ("frozen" if step.frozen else "fixed",
-         "the parameters, buffers and batch" if state or accumulated
+         "the parameters, buffers and batch" if state or accumulated or buckets
          else "memory held all step (parameters, buffers, the batch)",
-         profile.fixed_bytes - state - accumulated),
+         profile.fixed_bytes - state - accumulated - buckets),
     ]
     if phase == "head":
         parts += [("head", "the logits, the loss and their gradient", profile.head_bytes),
@@ -248,6 +251,12 @@ def _lever(kind: str, step: _Step) -> str:
         with_base = (" with that base in 8-bit or 4-bit (QLoRA)" if step.precision == "half"
                      else "")
         return f"train adapters on a frozen base (LoRA){with_base}, or {_SHARD}"
+    if kind == "ddp_buckets":
+        levers = [] if step.frozen else ["train adapters on a frozen base (LoRA) so that fewer "
+                                         "gradients exist"]
+        return _either([*levers, "shard the model with FSDP2 instead of DDP (each rank then "
+                        "holds 1/N of the gradients; gradckpt.estimate(..., world_size=N) "
+                        "predicts one rank)"])
     if kind == "accumulated":
         levers = [] if step.frozen else ["train adapters on a frozen base (LoRA) so that fewer "
                                          "gradients exist"]
