@@ -99,7 +99,7 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"],
                     4),
     **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"], 2),
-    **dict.fromkeys(["vocab_size", "text_vocab_size"], VOCAB),
+    **dict.fromkeys(["vocab_size", "text_vocab_size", "unpadded_vocab_size"], VOCAB),
     **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
                      "seq_length"], 2 * SEQ),
     **dict.fromkeys(["rotary_dim", "qk_rope_head_dim", "qk_nope_head_dim"], 8),
