@@ -128,7 +128,7 @@ def accumulated_gradient_bytes(model: nn.Module, accumulation_steps: int) -> int
     """
     if accumulation_steps <= 1:
         return 0
-    return sum(tensor_bytes(p) for p in _trainable(model.parameters()))
+    return _trainable_bytes(model)
 
 
 def check_ddp(ddp: object) -> bool:
@@ -175,4 +175,9 @@ def ddp_bucket_bytes(model: nn.Module, ddp: bool) -> int:
     """
     if not ddp:
         return 0
+    return _trainable_bytes(model)
+
+
+def _trainable_bytes(model: nn.Module) -> int:
+    """The trainable parameters' bytes, each in its dtype: as large as their gradients."""
     return sum(tensor_bytes(p) for p in _trainable(model.parameters()))

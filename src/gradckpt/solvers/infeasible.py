@@ -251,16 +251,13 @@ def _lever(kind: str, step: _Step) -> str:
         with_base = (" with that base in 8-bit or 4-bit (QLoRA)" if step.precision == "half"
                      else "")
         return f"train adapters on a frozen base (LoRA){with_base}, or {_SHARD}"
-    if kind == "ddp_buckets":
+    if kind in ("ddp_buckets", "accumulated"):  # gradients held all step: fewer, or sharded
         levers = [] if step.frozen else ["train adapters on a frozen base (LoRA) so that fewer "
                                          "gradients exist"]
-        return _either([*levers, "shard the model with FSDP2 instead of DDP (each rank then "
-                        "holds 1/N of the gradients; gradckpt.estimate(..., world_size=N) "
-                        "predicts one rank)"])
-    if kind == "accumulated":
-        levers = [] if step.frozen else ["train adapters on a frozen base (LoRA) so that fewer "
-                                         "gradients exist"]
-        return _either([*levers, _SHARD.replace("them", "the gradients", 1)])
+        shard = ("shard the model with FSDP2 instead of DDP (each rank then holds 1/N of the "
+                 "gradients; gradckpt.estimate(..., world_size=N) predicts one rank)"
+                 if kind == "ddp_buckets" else _SHARD.replace("them", "the gradients", 1))
+        return _either([*levers, shard])
     if kind in ("optimizer_state", "optimizer"):
         levers = []
         if step.optimizer_state_bytes:
