@@ -712,15 +712,54 @@ def test_a_tower_that_does_not_run_on_the_sample_is_left_out() -> None:
     assert trains_as_the_plain_model(model, tokens()) == TEXT_LAYERS
 
 
-def test_the_stack_chosen_among_those_that_run() -> None:
+def forward_calls(model: nn.Module, run: object) -> int:
+    """How many times ``run()`` calls ``model``'s forward."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return len(calls)
+
+
+def test_profile_takes_the_stack_that_runs_where_the_structures_does_not() -> None:
     # The vision tower holds ten times the language model's parameters: by structure it is
-    # the chain alone. On text, the language model's layers are chosen among the stacks that
-    # ran; profile(), which records with the structure's blocks, says which to pass.
+    # the chain alone. On text, profile() (and so enable and estimate) measures the language
+    # model's layers, which find_blocks chooses among the stacks that ran: as if given them.
     model = Towers(vision_width=64)
     assert names(find_blocks(model)) == VISION_LAYERS
     assert names(find_blocks(model, sample=tokens())) == TEXT_LAYERS
+    found = gradckpt.profile(model, tokens(), repeats=1)
+    given = gradckpt.profile(model, tokens(), blocks="text", repeats=1)
+    assert [block.name for block in found.blocks] == TEXT_LAYERS
+    assert (found.peak_bytes, found.fixed_bytes) == (given.peak_bytes, given.fixed_bytes)
+    assert [(b.input_bytes, b.output_bytes, b.saved_bytes) for b in found.blocks] == [
+        (b.input_bytes, b.output_bytes, b.saved_bytes) for b in given.blocks]
+    assert no_forward_hooks(model)
+    predicted = gradckpt.estimate(model, tokens(), device="h100-80gb")
+    assert [block.name for block in predicted.blocks] == TEXT_LAYERS
+    torch.manual_seed(0)
+    assert trains_as_the_plain_model(model, tokens()) == TEXT_LAYERS
+
+
+def test_only_a_chain_that_does_not_run_costs_more_forward_passes() -> None:
+    # Where the structure's chain runs (or a tower of it is left out), profile runs the
+    # model as often as given the blocks; where none of it runs, two more forwards (the
+    # recording step that shows it, and find_blocks's run) find the chain that does.
+    runs = Towers(vision_width=16)  # both towers by structure: the vision one left out
+    assert forward_calls(runs, lambda: gradckpt.profile(runs, tokens(), repeats=1)) == (
+        forward_calls(runs, lambda: gradckpt.profile(runs, tokens(), blocks="text", repeats=1)))
+    model = Towers(vision_width=64)
+    assert forward_calls(model, lambda: gradckpt.profile(model, tokens(), repeats=1)) == (
+        forward_calls(model, lambda: gradckpt.profile(model, tokens(), blocks="text",
+                                                      repeats=1)) + 2)
+
+
+def test_blocks_given_that_do_not_run_name_those_that_do() -> None:
+    model = Towers(vision_width=64)
     with pytest.raises(gradckpt.UsageError) as error:
-        gradckpt.profile(model, tokens(), repeats=1)
+        gradckpt.profile(model, tokens(), blocks="vision", repeats=1)
     message = str(error.value)
     assert "blocks [0, 1] did not run in the model's forward pass on this sample" in message
     assert "(vision.0, vision.1)" in message and "pass blocks='text'" in message

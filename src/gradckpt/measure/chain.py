@@ -38,8 +38,13 @@ models hold that chain in one container, so ``find_blocks`` looks for it there:
    when none of them runs (Mllama's cross-attention layers, given no image). A stack that runs
    only partly (some of its blocks of one class run, some not) raises ``UsageError`` naming
    the blocks that did not run, and so does a sample on which no stack runs. ``profile`` (and
-   so ``enable``) applies the same rule to the blocks of the step it records, and where none
-   of them ran names the stacks that ``find_blocks`` finds running.
+   so ``enable`` and ``estimate``) records its step with the blocks found by structure and
+   applies the same rule to them; where none of them ran (a vision tower that outweighs the
+   language model, chosen by structure, given text) it takes the chain ``find_blocks(model,
+   sample)`` finds instead, and measures that: two more forward passes (the recording step
+   that shows it, and that run), for such models only.
+   Given ``blocks=`` of which none ran, it names the stacks that ``find_blocks`` finds
+   running.
 5. No stack, but the model itself is an ``nn.Sequential`` of 2 or more children of different
    classes (``Linear, ReLU, Linear``): its children are the chain, since a Sequential runs them
    one after another by definition.
@@ -91,7 +96,7 @@ from .stacks import (
 )
 from .step import run_model
 
-__all__ = ["find_blocks", "resolve_blocks"]
+__all__ = ["NoneOfTheBlocksRan", "chain_that_runs", "find_blocks", "resolve_blocks"]
 
 _HOW_TO_PASS_BLOCKS = (
     "pass the blocks yourself, in the order the forward pass runs them, as blocks= to "
@@ -351,6 +356,52 @@ def _blocks_that_run(model: nn.Module, sample: Any) -> list[tuple[str, nn.Module
 # Rules on a run: stacks left out, stacks run interleaved (find_blocks with a sample, and the
 # step profile records)
 # --------------------------------------------------------------------------------------------
+
+
+class NoneOfTheBlocksRan(UsageError):
+    """None of the blocks a step was recorded with ran on the sample (``recording.py``);
+    ``profile`` turns it into the chain that runs (``chain_that_runs``) or a ``UsageError``
+    saying what to pass."""
+
+
+def chain_that_runs(
+    model: nn.Module, sample: Any, not_run: NoneOfTheBlocksRan, blocks_given: bool
+) -> list[tuple[str, nn.Module]]:
+    """Where none of the blocks a step was recorded with ran on ``sample`` (``not_run``): with
+    blocks found by structure, the chain ``find_blocks(model, sample)`` finds among the stacks
+    that ran (rule 4). Raises ``UsageError`` with ``not_run``'s message where the blocks were
+    given (``blocks_given``: the message names those that run instead) or no stack runs.
+
+    Example:
+        >>> import torch
+        >>> class TwoTowers(torch.nn.Module):  # a vision tower that outweighs the text one
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.vision = torch.nn.Sequential(torch.nn.Linear(64, 64),
+        ...                                           torch.nn.Linear(64, 64))
+        ...         self.text = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Tanh())
+        ...     def forward(self, x):  # given text: the vision tower does not run
+        ...         return self.text(x)
+        >>> model, text = TwoTowers(), torch.ones(2, 4)
+        >>> [name for name, _ in find_blocks(model)]
+        ['vision.0', 'vision.1']
+        >>> not_run = NoneOfTheBlocksRan("blocks [0, 1] did not run (vision.0, vision.1)")
+        >>> [name for name, _ in chain_that_runs(model, text, not_run, blocks_given=False)]
+        ['text.0', 'text.1']
+        >>> chain_that_runs(model, text, not_run, blocks_given=True)
+        Traceback (most recent call last):
+        ...
+        gradckpt.errors.UsageError: blocks [0, 1] did not run (vision.0, vision.1); those of ...
+    """
+    if blocks_given:
+        raise UsageError(f"{not_run}{blocks_that_run_instead(model, sample)}") from None
+    try:
+        return find_blocks(model, sample)
+    except Exception:  # no stack runs (or the model fails without grad): as told by not_run
+        raise UsageError(
+            f"{not_run}, and no other list of blocks runs on it either; pass blocks= with the "
+            "blocks that run, in order"
+        ) from None
 
 
 def blocks_that_run_instead(model: nn.Module, sample: Any) -> str:

@@ -47,7 +47,7 @@ from ..engine import first_tensor, heads_called, plans_suspended, storage_key
 from ..errors import UsageError
 from ..profile_types import MODELED_TIMES, BlockProfile, ChunkedHead, Profile
 from . import clock
-from .chain import resolve_blocks
+from .chain import NoneOfTheBlocksRan, chain_that_runs, resolve_blocks
 from .device import infer_device
 from .fingerprint import BLOCK_FINGERPRINTS, CHAIN_LENGTHS, chain_fingerprint
 from .head_splice import head_replaced
@@ -90,8 +90,9 @@ def profile(
         sample: one batch: a tensor, a tuple of positional arguments or a dict of keywords.
         loss_fn: turns the output into the loss; default ``output.loss`` or ``output.sum()``.
         blocks: the chain (default: ``gradckpt.find_blocks(model)``, put in the order the
-            blocks run on ``sample``); see ``resolve_blocks``. Given explicitly, it must be in
-            that order.
+            blocks run on ``sample``, or, where none of them runs on it, such as a vision
+            tower given text, ``find_blocks(model, sample)``); see ``resolve_blocks``. Given
+            explicitly, it must be in that order.
         optimizer: the optimizer the loop steps (``torch.optim.AdamW(...)``), or its name
             (``"adamw"``, ``"sgd"``, ``"adamw-8bit"``: ``optimizer_step.OPTIMIZER_NAMES``), or
             ``None`` (no ``optimizer.step()`` in the step planned). Its state is counted in
@@ -148,22 +149,39 @@ def profile(
     check_ddp(ddp)
     optimizer = check_optimizer(optimizer)  # a misspelt name is told before any step runs
     report = _progress_callback(progress)
-    # On fake tensors (a modeled clock), a long chain of identical blocks runs its steps with
-    # its first blocks only, the rest standing in (``stand_ins``); where the step does not
-    # show that this adds up, it runs again with every block.
-    stand_ins = StandIns.of([module for _, module in named_blocks]) if clock.modeled() else None
-    arguments = (model, sample, loss_fn, named_blocks, blocks is not None, optimizer,
-                 accumulation_steps, ddp, keep_output, repeats, report)
-    if stand_ins is not None:
-        try:
-            return _measured(*arguments, stand_ins)
-        except NotSpliceable:
-            pass
-    measured = _measured(*arguments, None)
+
+    def measured_with(named_blocks: list[tuple[str, nn.Module]]) -> Profile:
+        return _measured_chain(model, sample, loss_fn, named_blocks, blocks is not None,
+                               optimizer, accumulation_steps, ddp, keep_output, repeats, report)
+
+    try:
+        measured = measured_with(named_blocks)
+    except NoneOfTheBlocksRan as not_run:
+        # Found by structure, the chain can be a tower the sample does not run (a vision
+        # tower that outweighs the language model, given text): the chain that runs, found
+        # by one more forward pass, which only such models pay, with the step that showed
+        # it (chain.py, rule 4).
+        measured = measured_with(chain_that_runs(model, sample, not_run, blocks is not None))
     if not clock.modeled():  # fake tensors have no values to compare
         with plans_suspended(model):
             replay_warnings(model, sample)
     return measured
+
+
+def _measured_chain(
+    model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+    named_blocks: list[tuple[str, nn.Module]], *arguments: Any,
+) -> Profile:
+    """``_measured``; on fake tensors (a modeled clock), a long chain of identical blocks runs
+    its steps with its first blocks only, the rest standing in (``stand_ins``), and where the
+    step does not show that this adds up, it runs again with every block."""
+    stand_ins = StandIns.of([module for _, module in named_blocks]) if clock.modeled() else None
+    if stand_ins is not None:
+        try:
+            return _measured(model, sample, loss_fn, named_blocks, *arguments, stand_ins)
+        except NotSpliceable:
+            pass
+    return _measured(model, sample, loss_fn, named_blocks, *arguments, None)
 
 
 def _measured(

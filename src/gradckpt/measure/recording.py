@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..engine import AutocastSnapshot, continues_chain, detached_like, first_tensor, storage_key
 from ..errors import GradckptError, UsageError
 from . import clock
-from .chain import blocks_not_run, blocks_that_run_instead, check_not_interleaved
+from .chain import NoneOfTheBlocksRan, blocks_not_run, check_not_interleaved
 from .step import OutputHolder, loss_of, run_model
 from .tensors import tensor_bytes, tensors_in
 
@@ -139,8 +139,8 @@ def record_block_calls(
 
     Blocks that did not run are left out of ``order`` where no block of their list and class
     ran but others did (``chain.blocks_not_run``); raises ``UsageError`` if other blocks did
-    not run, or the blocks run interleaved from several lists and are no chain
-    (``chain.check_not_interleaved``).
+    not run (``chain.NoneOfTheBlocksRan`` where none ran), or the blocks run interleaved from
+    several lists and are no chain (``chain.check_not_interleaved``).
     """
     recording = Recording({}, {}, {}, [])
 
@@ -224,12 +224,12 @@ def record_block_calls(
     names = [name for name, _ in named]
     _, missing = blocks_not_run(named, recording.order)
     if missing:
-        raise UsageError(
-            f"blocks {missing} did not run in the model's forward pass on this sample "
-            f"({', '.join(names[index] for index in missing)})"
-            + (", while other blocks of their lists did; pass blocks= with the blocks that "
-               "run, in order" if recording.order else blocks_that_run_instead(model, sample))
-        )
+        message = (f"blocks {missing} did not run in the model's forward pass on this sample "
+                   f"({', '.join(names[index] for index in missing)})")
+        if not recording.order:  # profile takes the chain that runs, or says which it is
+            raise NoneOfTheBlocksRan(message)
+        raise UsageError(message + ", while other blocks of their lists did; pass blocks= "
+                         "with the blocks that run, in order")
     check_not_interleaved([names[index] for index in recording.order], recording.chain_breaks())
     return recording
 
