@@ -106,6 +106,14 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(["v_head_dim", "kv_lora_rank"], 16),
     **dict.fromkeys(["q_lora_rank"], 32),
     **dict.fromkeys(["n_group", "topk_group"], 1),
+    # Mamba2 mixers (Bamba, Falcon-H1, GraniteMoeHybrid) at their defaults, 128 heads over
+    # chunks of 256 tokens, made the step 200 times a tiny Llama's (3.5 s on one thread) and
+    # profiling it ran past the time limit; chunks of half the sequence keep the scan's
+    # passing of state between chunks. The state as Zamba2's default.
+    **dict.fromkeys(["mamba_n_heads"], 4),
+    **dict.fromkeys(["mamba_d_ssm"], 2 * WIDTH),
+    **dict.fromkeys(["mamba_d_state"], 64),
+    **dict.fromkeys(["mamba_chunk_size"], SEQ // 2),
     **dict.fromkeys(["image_size"], IMAGE),
     **dict.fromkeys(["patch_size"], 8),
 }
