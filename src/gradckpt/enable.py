@@ -71,7 +71,9 @@ def enable(
         ddp: ``True`` when the model will train wrapped in
             ``torch.nn.parallel.DistributedDataParallel`` (enable on the bare model, then wrap
             it): DDP's buckets, a copy of every trainable gradient alive all run, are counted
-            in the step, so that a rank's peak, buckets included, fits ``budget``.
+            in the step, so that a rank's peak, buckets included, fits ``budget``. A model
+            already wrapped (``enable(ddp_model, ...)``) needs nothing: its step is measured
+            through the wrapper, buckets included, and ``ddp=True`` does not count them twice.
         keep_output: the loop holds the model's output until backward ends (``out =
             model(**batch); out.loss.backward()``); ``False`` for loops that drop it first
             (the Hugging Face Trainer).

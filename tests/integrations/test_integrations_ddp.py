@@ -1,4 +1,4 @@
-"""DDP with a plan applied (issue 16): two gloo processes on CPU.
+"""DDP with a plan applied: two gloo processes on CPU.
 
 The plan is applied to the bare model (``gradckpt.enable``, one plan for both ranks), then the
 model is wrapped in ``DistributedDataParallel``. Each rank trains on its own half of the batch;
@@ -134,6 +134,23 @@ def peak_worker(rank: int, port: int, out: str, bucket_view: bool) -> None:
     })
 
 
+def wrapped_peak_worker(rank: int, port: int, out: str, ddp_flag: bool | None) -> None:
+    """``enable`` on a model already wrapped in DDP, with ``ddp=True`` or left unset."""
+    join_group(rank, port)
+    model = tiny_llama()
+    batch = micro_batches(rank, 1)[0]
+    ddp = DistributedDataParallel(model)
+    flag = {} if ddp_flag is None else {"ddp": ddp_flag}
+    plan = gradckpt.enable(ddp, batch, budget="85%", optimizer="adamw", **flag)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    torch.manual_seed(rank)
+    answer(out, rank, {
+        "peak_bytes": measured_peak(ddp, optimizer, batch),
+        "predicted_peak_bytes": plan.predicted_peak_bytes, "budget_bytes": plan.budget_bytes,
+        "recomputed": len(plan.segments),
+    })
+
+
 class _nothing:
     def __enter__(self) -> None:
         pass
@@ -170,5 +187,19 @@ def test_a_ranks_peak_under_ddp_is_the_predicted_one_within_the_budget(
         assert result["predicted_peak_bytes"] <= result["budget_bytes"]
         assert result["peak_bytes"] <= result["budget_bytes"] * 1.03, result
         # The buckets are a fifth of this step: uncounted, the peak would be that much above.
+        assert abs(result["peak_bytes"] - result["predicted_peak_bytes"]) <= (
+            0.02 * result["predicted_peak_bytes"]), result
+
+
+@pytest.mark.parametrize("ddp_flag", [None, True], ids=["ddp-unset", "ddp-true"])
+def test_enable_on_a_model_already_wrapped_in_ddp_counts_its_buckets_once(
+    tmp_path, ddp_flag: bool | None
+) -> None:
+    """Wrapped first, then enabled: the buckets exist and the step measured through the
+    wrapper counts them; ``ddp=True`` must not count them a second time."""
+    for result in run_ranks(wrapped_peak_worker, tmp_path, ddp_flag):
+        print(result)
+        assert result["recomputed"] > 0
+        assert result["peak_bytes"] <= result["budget_bytes"] * 1.03, result
         assert abs(result["peak_bytes"] - result["predicted_peak_bytes"]) <= (
             0.02 * result["predicted_peak_bytes"]), result

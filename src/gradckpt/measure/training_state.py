@@ -165,7 +165,7 @@ def ddp_bucket_bytes(model: nn.Module, ddp: bool) -> int:
     ``zero_grad(set_to_none=True)`` backward still makes each gradient before DDP copies it in
     and points the gradient at its bucket: a rank of the Llama in
     ``tests/integrations/test_integrations_ddp.py`` measured the same peak either way, to the
-    byte.
+    byte. A model already wrapped needs no count: its buckets are measured with its step.
 
     Example:
         >>> import torch
@@ -173,7 +173,9 @@ def ddp_bucket_bytes(model: nn.Module, ddp: bool) -> int:
         >>> ddp_bucket_bytes(layer, True), ddp_bucket_bytes(layer, False)
         (80, 0)
     """
-    if not ddp:
+    if not ddp or isinstance(model, nn.parallel.DistributedDataParallel):
+        # Wrapped already: the buckets exist, and the step measured through the wrapper counts
+        # each from backward's first copy into it, as it counts the loop's later steps.
         return 0
     return _trainable_bytes(model)
 
