@@ -9,7 +9,8 @@ the way fine-tuning scripts do: ``labels`` in the batch with some -100 padding, 
 through backward, AdamW. Checked:
 
 - GPT-2 (tied embeddings), Llama, Qwen2, a head with a bias, Gemma 2 (soft-capping, tied),
-  PEFT's LoRA on a frozen Llama (on its head too, planned after PEFT or before it) and a plain
+  PEFT's LoRA on a frozen Llama (on its head too, planned after PEFT or before it), ProphetNet
+  (its own loss over two streams of tokens, unshifted; its first stream alone) and a plain
   PyTorch model calling ``linear_cross_entropy``
   train as an identical plain copy within float rounding (the largest differences measured are
   in ``FAMILY_TOLERANCES``);
@@ -17,7 +18,7 @@ through backward, AdamW. Checked:
 - planning: ``profile.chunked_heads`` (and ``estimate``'s, to the byte), the memory table's
   split of the chunked head, ``solve``/``enable``'s ``output_head``, the least
   budget fits as predicted, and a model whose logits the chunked loss would not repeat is
-  offered no chunked head;
+  offered no chunked head, nor is ProphetNet smoothing its labels (it trains bit for bit);
 - ``disable`` and bad requests.
 """
 
@@ -103,6 +104,25 @@ def gemma2(vocab: int = VOCAB) -> nn.Module:
     return transformers.Gemma2ForCausalLM(config).train()
 
 
+def prophetnet(vocab: int = VOCAB, **config: Any) -> nn.Module:
+    """ProphetNet's decoder as a causal language model: two streams of tokens predicted
+    (``ngram=2``), its own loss (``_compute_loss``); dropout off (the runs compared draw no
+    masks)."""
+    torch.manual_seed(0)
+    return transformers.ProphetNetForCausalLM(transformers.ProphetNetConfig(
+        vocab_size=vocab, hidden_size=64, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+        num_decoder_attention_heads=4, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, is_decoder=True,
+        add_cross_attention=False, **config)).train()
+
+
+def prophetnet_first_stream_only() -> nn.Module:
+    model = prophetnet()
+    model.disable_ngram_loss = True  # as set_disable_ngram_loss(): the first stream's loss
+    return model
+
+
 def llama_with_a_biased_head() -> nn.Module:
     model = llama()
     head = nn.Linear(DECODER["hidden_size"], VOCAB, bias=True)
@@ -169,13 +189,17 @@ def call(model: nn.Module, batch: Any, **kwargs: Any) -> Any:
 #   peft-lm-head (LoRA on the head too): loss 4.8e-7, gradients 1.5e-8, parameters 4.5e-8
 #   tinygpt   loss 0       gradients 1.5e-8  parameters 1.1e-6 (h.0.attn.c_attn.bias)
 #   llama, 7 chunks: loss 4.8e-7, gradients 2.2e-8, parameters 3.2e-8
+#   prophetnet (two streams, 4 chunks): loss 4.8e-7, gradients 2.0e-8, parameters 1.3e-7
+#     (decoder.layers.1.self_attn.key_proj.bias); its first stream alone (2 chunks): loss 0,
+#     gradients 3.0e-8, parameters 2.1e-7 (layers.0's key_proj.bias)
 # (a loss of 5.5 in float32: 4.8e-7 is one ulp). The key projection's bias has no gradient in
 # exact arithmetic (softmax ignores a shift common to all keys): its gradient is rounding
 # noise, which AdamW scales to steps of up to a good fraction of the learning rate, so that bias
 # moves by noise whatever the order of the sums. A wrong loss would move every parameter by
 # about the learning rate (1e-3) per step.
 LOSS_TOLERANCE, GRADIENT_TOLERANCE = 4e-6, 1e-7
-PARAMETER_TOLERANCE = {"gpt2": 5e-6, "tinygpt": 5e-6, "qwen2": 1e-6, "gemma2": 1.5e-6}
+PARAMETER_TOLERANCE = {"gpt2": 5e-6, "tinygpt": 5e-6, "qwen2": 1e-6, "gemma2": 1.5e-6,
+                       "prophetnet-first-stream": 5e-7}
 DEFAULT_PARAMETER_TOLERANCE = 2e-7
 
 
@@ -195,6 +219,8 @@ FAMILIES = [
     Family("peft", peft_llama, causal_batch),
     Family("peft-lm-head", peft_llama_with_lora_on_its_head, causal_batch),
     Family("tinygpt", chunked_loss_gpt, gpt_batch),
+    Family("prophetnet", prophetnet, causal_batch),
+    Family("prophetnet-first-stream", prophetnet_first_stream_only, causal_batch),
 ]
 
 
@@ -232,6 +258,17 @@ def train(model: nn.Module, batch: Any, steps: int = STEPS) -> Run:
     return Run(losses, gradients, parameters, None if logits is None else tuple(logits.shape))
 
 
+def train_planned_and_plain(model: nn.Module, plain: nn.Module, batch: Any,
+                            plan: gradckpt.Plan) -> tuple[Run, Run]:
+    """``model`` trained with ``plan`` applied, then ``plain``, its copy, without."""
+    gradckpt.apply(model, plan)
+    try:
+        got = train(model, batch)
+    finally:
+        gradckpt.disable(model)
+    return got, train(plain, batch)
+
+
 def largest_difference(got: dict, expected: dict) -> float:
     assert got.keys() == expected.keys()
     differences = [0.0]
@@ -255,12 +292,7 @@ def test_a_chunked_head_trains_as_the_plain_model(family: Family) -> None:
     assert plan.head_chunks > 1
     assert plan.head_name.endswith("lm_head")
     assert f"{plan.head_name} (output head)" in str(plan)
-    gradckpt.apply(model, plan)
-    try:
-        got = train(model, batch)
-    finally:
-        gradckpt.disable(model)
-    expected = train(plain, batch)
+    got, expected = train_planned_and_plain(model, plain, batch, plan)
     if family.name != "tinygpt":
         assert got.logits_shape == (BATCH, SEQ, 0)
         assert expected.logits_shape == (BATCH, SEQ, VOCAB)
@@ -500,8 +532,10 @@ def test_enable_at_the_least_budget_chunks_the_head_and_fits_as_predicted() -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [gpt2, qwen2, gemma2, lambda vocab: peft_llama(vocab=vocab)],
-                         ids=["gpt2-tied", "qwen2", "gemma2-softcapped", "peft-lora-llama"])
+@pytest.mark.parametrize("build", [gpt2, qwen2, gemma2, lambda vocab: peft_llama(vocab=vocab),
+                                   prophetnet],
+                         ids=["gpt2-tied", "qwen2", "gemma2-softcapped", "peft-lora-llama",
+                              "prophetnet-two-streams"])
 @pytest.mark.parametrize("where", ["least", "between"])
 def test_plans_with_a_chunked_head_fit_and_are_predicted_on_each_family(build, where) -> None:
     """At the least budget a chunked head reaches, and halfway from it to the least the plain
@@ -538,8 +572,8 @@ CHUNKED_STEP_FIELDS = ("name", "chunks", "head_bytes", "head_gradient_bytes",
 OFF_AS_THE_PLAIN_STEP = ("other_peak_bytes", "peak_bytes")
 
 
-@pytest.mark.parametrize("build", [llama, lambda vocab: peft_llama(vocab=vocab)],
-                         ids=["llama", "peft-lora-llama"])
+@pytest.mark.parametrize("build", [llama, lambda vocab: peft_llama(vocab=vocab), prophetnet],
+                         ids=["llama", "peft-lora-llama", "prophetnet"])
 def test_estimate_predicts_each_chunked_step_to_the_byte(build) -> None:
     """``estimate`` runs the chunked steps on fake tensors: the same counts, and each step's
     bytes equal to the measured ones (what ``gradckpt plan --estimate`` plans with); on Llama
@@ -675,3 +709,22 @@ def test_a_model_whose_logits_are_scaled_after_the_head_gets_no_chunked_head() -
         assert out.logits.shape == (BATCH, SEQ, VOCAB)
     finally:
         gradckpt.disable(model)
+
+
+def test_prophetnet_smoothing_its_labels_keeps_its_own_loss_and_trains_bit_for_bit() -> None:
+    # config.eps > 0: ProphetNet's loss smooths its labels, which linear_cross_entropy does
+    # not: the model is not wrapped, no chunked head is offered, and a plan trains exactly as
+    # the plain model (the loss whole, the model's own).
+    model, batch = prophetnet(eps=0.1), causal_batch()
+    plain = copy.deepcopy(model)
+    measured = gradckpt.profile(model, batch, optimizer="adamw", repeats=1)
+    assert measured.chunked_heads == []
+    with pytest.raises(gradckpt.UsageError, match="output_head='chunked'.*no chunked head"):
+        gradckpt.solve(measured, None, "none", output_head="chunked")
+    plan = gradckpt.solve(measured, None, "every-layer")
+    assert plan.head_chunks == 1 and plan.segments
+    got, expected = train_planned_and_plain(model, plain, batch, plan)
+    assert got.logits_shape == expected.logits_shape == (BATCH, SEQ, VOCAB)
+    assert [loss.item() for loss in got.losses] == [loss.item() for loss in expected.losses]
+    assert largest_difference(got.gradients, expected.gradients) == 0
+    assert largest_difference(got.parameters, expected.parameters) == 0

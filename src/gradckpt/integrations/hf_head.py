@@ -23,6 +23,13 @@ In a chunked step ``out.loss`` is the loss and ``out.logits`` an empty tensor of
 ``output_head="plain"``. A model that changes its logits in a way this does not repeat (a
 scale, say) is caught before any plan uses it: ``profile`` compares the chunked loss with the
 model's own on the sample and offers no chunked head when they differ.
+
+A family whose loss is not ``ForCausalLMLoss`` has its own entry in ``_OWN_LOSSES``: the
+targets its loss takes, for the head's input it captured. ProphetNet predicts ``config.ngram``
+streams of tokens: its head reads ``(batch, ngram, seq, hidden)`` and each stream is scored
+against the labels as given, unshifted (``ProphetNetForCausalLM._compute_loss``). Where such a
+loss smooths its labels (ProphetNet's ``config.eps > 0``), which ``linear_cross_entropy`` does
+not, the model is not wrapped and keeps its own loss: no chunked head is offered.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import inspect
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -66,6 +73,9 @@ def chunked_causal_lm_loss(model: nn.Module, occasion: Occasion) -> Callable[[],
     for module in model.modules():
         if output_head(module) is None or "forward" in vars(module):
             continue  # not a causal language model, or wrapped already (by another hold)
+        own = _own_loss(module)
+        if own is not None and not own.computable(module):
+            continue  # a loss linear_cross_entropy does not compute: the model's own
         module.forward = _chunking_forward(module)
         wrapped.append(module)
     if not wrapped:
@@ -148,13 +158,18 @@ def _chunked_step(
             f"{type(module).__name__}'s forward called its output head {len(captured)} times; "
             "gradckpt cannot compute its loss in chunks: plan with output_head='plain'"
         )
+    own = _own_loss(module)
     shift_labels = extra.get("shift_labels")
-    loss = linear_cross_entropy(
-        captured[0], head, shift_labels if shift_labels is not None else labels,
-        chunks=chunks, ignore_index=extra.get("ignore_index", -100),
-        shift=shift_labels is None, softcap=_softcap(module),
-        num_items=extra.get("num_items_in_batch"),
-    )
+    if own is not None:  # the family's own loss: its targets, nothing shifted
+        loss = linear_cross_entropy(captured[0], head, own.targets(module, captured[0], labels),
+                                    chunks=chunks)
+    else:
+        loss = linear_cross_entropy(
+            captured[0], head, shift_labels if shift_labels is not None else labels,
+            chunks=chunks, ignore_index=extra.get("ignore_index", -100),
+            shift=shift_labels is None, softcap=_softcap(module),
+            num_items=extra.get("num_items_in_batch"),
+        )
     if isinstance(output, tuple):
         return (loss, *output)
     fields = {name: value for name, value in output.items() if name != "loss"}
@@ -167,6 +182,50 @@ def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str
     names = list(signature.parameters)
     if name in names and names.index(name) < len(args):
         return args[names.index(name)]
+    return None
+
+
+def _ngram_targets(module: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
+                   ) -> torch.Tensor:
+    """ProphetNet's targets (``ProphetNetForCausalLM._compute_loss``): its head reads
+    ``(batch, ngram, seq, hidden)``, and every stream is scored against the labels as given,
+    unshifted, -100 ignored (with ``disable_ngram_loss``, the first stream alone); the mean
+    over the tokens counted, whatever ``num_items_in_batch`` the Trainer passes.
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> model = SimpleNamespace(disable_ngram_loss=True)
+        >>> _ngram_targets(model, torch.zeros(1, 2, 3, 8), torch.tensor([[5, 6, -100]]))
+        tensor([[[   5,    6, -100],
+                 [-100, -100, -100]]])
+    """
+    targets = labels.unsqueeze(1).expand(hidden.shape[:-1]).clone()
+    if module.disable_ngram_loss:
+        targets[:, 1:] = -100
+    return targets
+
+
+class _OwnLoss(NamedTuple):
+    """A causal language model's own loss, not Transformers' ForCausalLMLoss: the targets
+    ``linear_cross_entropy`` takes to compute it from the head's input, and whether it can for
+    a given model (a loss with label smoothing it cannot)."""
+
+    targets: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    computable: Callable[[nn.Module], bool]
+
+
+# By the Transformers class that defines the loss.
+_OWN_LOSSES = {
+    "ProphetNetForCausalLM": _OwnLoss(_ngram_targets, lambda module: not module.config.eps),
+}
+
+
+def _own_loss(module: nn.Module) -> _OwnLoss | None:
+    """The family's own loss (``_OWN_LOSSES``); None where it is ForCausalLMLoss."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("transformers.") and cls.__name__ in _OWN_LOSSES:
+            return _OWN_LOSSES[cls.__name__]
     return None
 
 
