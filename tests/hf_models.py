@@ -60,3 +60,15 @@ def seq2seq_sample(vocab_size: int = 128, source: int = 24, target: int = 16) ->
 def causal_sample(vocab_size: int = 128, batch: int = 2, seq: int = 32) -> dict:
     """A causal language model's batch as fine-tuning scripts pass it: ids and labels."""
     return hf_families.causal_batch(batch, seq, vocab_size, first_id=0, seed=1)
+
+
+def tiny_eager(class_name: str, config_name: str, **config) -> nn.Module:
+    """A seeded Transformers ``class_name`` in training mode, built from ``config_name`` with
+    the fields ``config``, eager attention (its memory is what the tests look at)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    settings = getattr(transformers, config_name)(**config)
+    settings._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return getattr(transformers, class_name)(settings).train()

@@ -125,7 +125,7 @@ def measure_block(
         if first_pass == (same.input_bytes, same.output_bytes, same.saved_bytes,
                           same.input_saved, same.output_saved, same.forward_peak_bytes,
                           same.backward_peak_bytes, like[1]):
-            return replace(same, name=name), like[1], like[2]
+            return replace(same, name=name, gradient_bytes=gradient_bytes), like[1], like[2]
 
     if clock.modeled():
         # A modeled clock times the same operations alike: the passes that measure the peaks
