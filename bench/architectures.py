@@ -132,8 +132,13 @@ def shrink(fields: dict[str, Any], dropout: bool = True) -> dict[str, Any]:
     """The overrides that make the config whose fields (``to_dict()``) are ``fields`` tiny,
     nested configs (``text_config``, ...) included. Per-layer lists (``layer_types``) get
     ``LAYERS`` entries, keeping each kind of layer they have (a hybrid stays hybrid); lists of
-    layer indices (``cross_attention_layers``) keep those below ``LAYERS``, or the last layer."""
-    layers = next((fields[k] for k in LAYER_COUNTS if isinstance(fields.get(k), int)), None)
+    layer indices (``cross_attention_layers``) keep those below ``LAYERS``, or the last layer.
+    A stack in sections (``_sections``: Dory's input, recurrent and output layers) keeps a layer
+    in each, so it may get more than ``LAYERS``."""
+    count = next((k for k in LAYER_COUNTS if isinstance(fields.get(k), int)), None)
+    layers = fields[count] if count else None
+    sections = _sections(fields, layers)
+    wanted = max(LAYERS, sum(fields[name] > 0 for name in sections))
     changes: dict[str, Any] = {}
     for name, value in fields.items():
         if isinstance(value, dict) and "model_type" in value:
@@ -149,8 +154,10 @@ def shrink(fields: dict[str, Any], dropout: bool = True) -> dict[str, Any]:
             changes[name] = FIRST_ID - 1 - TOKEN_IDS.index(name) % FIRST_ID
         elif name == "use_cache":
             changes[name] = False
-        elif isinstance(value, list) and value and layers and layers > LAYERS:
-            changes[name] = _per_layer(name, value, layers)
+        elif isinstance(value, list) and value and layers and layers > wanted:
+            changes[name] = _per_layer(name, value, layers, wanted)
+    if sections and layers > wanted:
+        changes |= {name: min(fields[name], 1) for name in sections} | {count: wanted}
     if "kv_lora_rank" in fields:  # multi-head latent attention: as many key/value heads, and
         # the head_dim of its rotary part
         changes |= {"num_key_value_heads": SIZES["num_attention_heads"],
@@ -158,22 +165,47 @@ def shrink(fields: dict[str, Any], dropout: bool = True) -> dict[str, Any]:
     return {name: value for name, value in changes.items() if value is not None}
 
 
-def _per_layer(name: str, values: list[Any], layers: int) -> list[Any] | None:
-    """``values`` for ``LAYERS`` layers where it is a per-layer list or a list of layer indices
+def _sections(fields: dict[str, Any], layers: int | None) -> list[str]:
+    """The counts that cut a stack of ``layers`` layers into sections: two or more
+    ``*_layers`` fields adding up to it (Dory: ``n_input_layers``, ``n_recurrent_layers``,
+    looped over, and ``n_output_layers``)."""
+    counts = [name for name, value in fields.items()
+              if name.endswith("_layers") and name not in LAYER_COUNTS
+              and isinstance(value, int) and not isinstance(value, bool)]
+    return counts if len(counts) >= 2 and sum(fields[n] for n in counts) == layers else []
+
+
+def _per_layer(name: str, values: list[Any], layers: int, wanted: int = LAYERS
+               ) -> list[Any] | None:
+    """``values`` for ``wanted`` layers where it is a per-layer list or a list of layer indices
     of a config of ``layers`` layers; None where it is neither."""
     integers = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
     indices = integers and all(0 <= v < layers for v in values)
     if indices and len(values) < layers and values == sorted(set(values)):
-        kept = [v for v in values if v < LAYERS]
-        return kept or [LAYERS - 1]
+        kept = [v for v in values if v < wanted]
+        return kept or [wanted - 1]
     if len(values) != layers:
         return None
     if "heads" in name and integers:
-        return [SIZES["num_attention_heads"]] * LAYERS
+        return [SIZES["num_attention_heads"]] * wanted
     if all(isinstance(v, str) for v in values):
         kinds = list(dict.fromkeys(values))
-        return (kinds + values[:LAYERS])[:LAYERS] if len(kinds) <= LAYERS else values[:LAYERS]
-    return values[:LAYERS]
+        return (kinds + values[:wanted])[:wanted] if len(kinds) <= wanted else values[:wanted]
+    return values[:wanted]
+
+
+def own_fields(config: Any) -> dict[str, Any]:
+    """``config.to_dict()``; where that reports the layer count otherwise than the config holds
+    it (Dory's doubles its counts, and lists each layer's MLP in ``layer_types`` as a layer of
+    its own), the config's own values of the fields that differ: its constructor takes them."""
+    fields = config.to_dict()
+    count = next((k for k in LAYER_COUNTS if isinstance(fields.get(k), int)), None)
+    if count is None or getattr(config, count, None) == fields[count]:
+        return fields
+    return fields | {name: own for name, value in fields.items()
+                     if isinstance(value, (int, list)) and not isinstance(value, bool)
+                     and isinstance(own := getattr(config, name, value), type(value))
+                     and own != value}
 
 
 def tiny_config(model_type: str, model_class: type, dropout: bool = True) -> Any:
@@ -181,7 +213,7 @@ def tiny_config(model_type: str, model_class: type, dropout: bool = True) -> Any
     of it ``model_class`` takes where that is a nested config (a text model's of a
     multimodal config)."""
     config_class = configuration_auto.CONFIG_MAPPING[model_type]
-    defaults = config_class().to_dict()
+    defaults = own_fields(config_class())
     changes = shrink(defaults, dropout)
     config = config_class(**changes)
     wanted = getattr(model_class, "config_class", None)
