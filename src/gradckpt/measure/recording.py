@@ -83,11 +83,12 @@ class BlockCall:
 
 @dataclass
 class Recording:
-    """What one step showed about the blocks: each one's first call (its arguments, and the
-    output it returned), in the order the blocks first ran."""
+    """What one step showed about the blocks: each one's first call in the forward pass with
+    gradients on (its arguments, and the output it returned; a block run only without
+    gradients: its first call), in the order of those calls."""
 
     calls: dict[int, BlockCall]
-    arguments: dict[int, tuple[tuple, dict]]  # each first call's (args, kwargs)
+    arguments: dict[int, tuple[tuple, dict]]  # each recorded call's (args, kwargs)
     outputs: dict[int, torch.Tensor | None]
     order: list[int]
     # What the graph saved outside the blocks after block i ended (storage -> bytes), until
@@ -105,6 +106,10 @@ class Recording:
     returned: dict[int, set] = field(default_factory=dict)
     # The storages of the tensors in the model's output (logits, an encoder's last hidden state).
     output_storages: set = field(default_factory=set)
+    # Per block, its calls in the forward pass with gradients on, and without (a recurrent
+    # model's cycles under torch.no_grad(): they save nothing for backward).
+    calls_with_gradients: dict[int, int] = field(default_factory=dict)
+    calls_without_gradients: dict[int, int] = field(default_factory=dict)
 
     def held_storages(self) -> set:
         """The storages of the tensors this recording holds on to: the blocks' arguments and
@@ -143,16 +148,31 @@ def record_block_calls(
     several lists and are no chain (``chain.check_not_interleaved``).
     """
     recording = Recording({}, {}, {}, [])
+    in_backward = False  # calls from then on recompute (a model's own torch.utils.checkpoint)
+    recorded_now: set[int] = set()  # the blocks whose call running now is the one recorded
 
     def record(index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         recording.running += 1
-        if index not in recording.calls:  # the first call, if called twice
-            recording.calls[index] = BlockCall(args, kwargs)
-            recording.arguments[index] = (args, kwargs)
-            recording.order.append(index)
-            hidden = first_tensor((args, kwargs))
-            if hidden is not None and hidden.requires_grad:
-                hidden.register_hook(functools.partial(backward_done, index))
+        if in_backward:
+            return
+        gradients = torch.is_grad_enabled()
+        counts = (recording.calls_with_gradients if gradients
+                  else recording.calls_without_gradients)
+        counts[index] = counts.get(index, 0) + 1
+        # The call that saves for backward: the first with gradients on. A call without them
+        # (a recurrent model's cycles run under no_grad) stands only until such a call comes.
+        earlier = recording.calls_with_gradients.get(index, 0) - gradients
+        if index in recording.calls and (earlier or not gradients):
+            return
+        if index in recording.calls:
+            recording.order.remove(index)
+        recording.calls[index] = BlockCall(args, kwargs)
+        recording.arguments[index] = (args, kwargs)
+        recording.order.append(index)
+        recorded_now.add(index)
+        hidden = first_tensor((args, kwargs))
+        if gradients and hidden is not None and hidden.requires_grad:
+            hidden.register_hook(functools.partial(backward_done, index))
 
     def backward_done(index: int, gradient: torch.Tensor) -> None:
         recording.backward_done = index
@@ -170,14 +190,16 @@ def record_block_calls(
     def record_output(index: int, module: nn.Module, args: tuple, output: Any) -> None:
         recording.running -= 1
         recording.last_ended = index
-        recording.outputs.setdefault(index, first_tensor(output))
+        if index not in recorded_now:
+            return
+        recorded_now.discard(index)
+        hidden = recording.outputs[index] = first_tensor(output)
         # Besides the hidden state, whose gradient the walk counts as the incoming one.
-        hidden = recording.outputs[index]
-        recording.returned.setdefault(index, {
+        recording.returned[index] = {
             storage_key(leaf) for leaf in tree_flatten(output)[0]
             if isinstance(leaf, torch.Tensor) and leaf is not hidden
             and (hidden is None or storage_key(leaf) != storage_key(hidden))
-        })
+        }
 
     def saved_between(tensor: torch.Tensor) -> torch.Tensor:
         if recording.running == 0 and recording.last_ended is not None:
@@ -211,6 +233,7 @@ def record_block_calls(
         if holder is not None:
             holder.output = output
         del output
+        in_backward = True
         with _said_to_be_the_samples(model):
             loss.backward()
     finally:
@@ -230,8 +253,38 @@ def record_block_calls(
             raise NoneOfTheBlocksRan(message)
         raise UsageError(message + ", while other blocks of their lists did; pass blocks= "
                          "with the blocks that run, in order")
+    _check_run_once(model, names, recording)
     check_not_interleaved([names[index] for index in recording.order], recording.chain_breaks())
     return recording
+
+
+def _check_run_once(model: nn.Module, names: list[str], recording: Recording) -> None:
+    """Raise ``UsageError`` where a block ran more than once with gradients in the forward
+    pass (a recurrent model looping over its layers: HRM's cycles). A plan gives every run
+    of a block its fate, while the cost model walks each block once: the step's peak cannot
+    be predicted, and a plan's could go over its budget. Runs without gradients save nothing
+    for backward, and are let be."""
+    repeated = {index: count for index, count in recording.calls_with_gradients.items()
+                if count > 1}
+    if not repeated:
+        return
+    runs = [f"{names[index]} {count} times"
+            + (f" (and {without} more without gradients)"
+               if (without := recording.calls_without_gradients.get(index)) else "")
+            for index, count in repeated.items()]
+    shown = "; ".join(runs[:4]) + (f"; and {len(runs) - 4} more blocks" if len(runs) > 4
+                                    else "")
+    raise UsageError(
+        f"gradckpt plans a chain of blocks that each run once per training step, but in "
+        f"{type(model).__name__}'s forward pass on this sample blocks ran more than once with "
+        f"gradients: {shown}. The model loops over its layers (a recurrent or weight-shared "
+        "model): a plan would checkpoint every run of a block alike, and the peak of such a "
+        "step cannot be predicted from one run per block, so no plan is made. Runs without "
+        "gradients (torch.no_grad()) are fine: a model whose blocks each run once with them "
+        "can be planned. Otherwise checkpoint each run yourself: gradckpt.checkpoint or "
+        "torch.utils.checkpoint around the call, or the model's own gradient checkpointing "
+        "(Hugging Face: model.gradient_checkpointing_enable())"
+    )
 
 
 @contextlib.contextmanager

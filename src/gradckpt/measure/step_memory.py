@@ -119,6 +119,9 @@ class StepMemory:
         return returns
 
     def _chain_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return  # a run that saves nothing (a recurrent model's cycles under no_grad): as
+            # the recording (``recording.py``), the chain is the run with gradients
         self._enter("forward")
         assert self._memory is not None
         self.chain_forward_start = self._memory.current()
@@ -128,6 +131,8 @@ class StepMemory:
             hidden.register_hook(self._chain_backward_ends)
 
     def _chain_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
         self._enter("head")
         hidden = first_tensor(output)
         if hidden is not None and hidden.requires_grad:
