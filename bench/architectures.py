@@ -2,10 +2,12 @@
 
 The question (issue 28, item 2): users fine-tune whatever was released last month, not the
 families the tests build. For every model type of Transformers' causal-LM mapping
-(``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; with ``--all-mappings`` the masked-LM, seq-to-seq and
-image-classification mappings too, as far as they build), this builds the model from a TINY
+(``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; ``--mappings`` names others: the masked-LM, seq-to-seq
+and image-classification mappings, as far as they build), this builds the model from a TINY
 config (hidden 64, 2 layers, 4 heads, vocabulary 256, attention dropout 0.1 where the config
-has it; random weights, nothing downloaded) and a batch with ``labels``, and runs:
+has it; image models: 128x128 images, patches of 8, each stage's depth 2 and its width cut to
+128; random weights, nothing downloaded) and a batch with ``labels`` as a fine-tuning script's
+collator makes it (an encoder-decoder's ``decoder_input_ids`` from its labels), and runs:
 
 1. the plain step twice from the same seed: does the plain model repeat itself (loss and
    gradients equal)?
@@ -27,11 +29,13 @@ step trains, N those of them that pass (gradients and budget).
 
     .venv/bin/python bench/architectures.py                    # every causal LM: ~30 min
     .venv/bin/python bench/architectures.py --only llama,gpt2  # a subset
-    .venv/bin/python bench/architectures.py --all-mappings --json results.json
+    .venv/bin/python bench/architectures.py --mappings masked-lm,seq2seq,image-classification \
+        --json results.json                                    # the other mappings: ~25 min
+    .venv/bin/python bench/architectures.py --all-mappings     # all four
 
-Run without ``--only`` the table is written to ``docs/results/architectures_cpu.txt``
-(``--all-mappings``: ``architectures_all_cpu.txt``). Memory only, no timing: the machine may be
-busy.
+Run without ``--only`` the table is written to ``docs/results/architectures_cpu.txt`` (the
+causal-LM mapping alone) or ``architectures_all_cpu.txt`` (any other choice of mappings). Memory
+only, no timing: the machine may be busy.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import inspect
 import json
 import os
 import signal
@@ -63,7 +68,7 @@ from gradckpt.side_by_side import UsersStep, compare_gradients, compare_plans
 
 OVER_BUDGET = 0.03  # what the measured peak may exceed the budget by
 BUDGET = "60%"
-BATCH, SEQ, IMAGE = 2, 128, 32
+BATCH, SEQ, IMAGE = 2, 128, 128
 VOCAB = 256
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +104,13 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"],
                     4),
     **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"], 2),
-    **dict.fromkeys(["vocab_size", "text_vocab_size", "unpadded_vocab_size"], VOCAB),
+    **dict.fromkeys(["vocab_size", "text_vocab_size", "unpadded_vocab_size", "src_vocab_size",
+                     "tgt_vocab_size", "entity_vocab_size", "pronunciation_vocab_size",
+                     "shape_vocab_size"], VOCAB),
+    **dict.fromkeys(["emb_dim", "d_inner", "d_latents", "entity_emb_size",
+                     "pronunciation_embed_dim", "shape_embed_dim"], WIDTH),
+    **dict.fromkeys(["num_latents"], 32),
+    **dict.fromkeys(["num_self_attends_per_block"], LAYERS),
     **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
                      "seq_length"], 2 * SEQ),
     **dict.fromkeys(["rotary_dim", "qk_rope_head_dim", "qk_nope_head_dim"], 8),
@@ -117,11 +128,55 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(["image_size"], IMAGE),
     **dict.fromkeys(["patch_size"], 8),
 }
+# Image models' per-stage lists (a ConvNeXt's or a Swin's four stages): each stage keeps at
+# most LAYERS blocks and two heads, and the widths shrink by one power of two to at most
+# STAGE_WIDTH (ResNet's 256..2048 to 16..128), so that ratios and divisibility hold; a
+# Swin's or a FocalNet's embed_dim (its first stage's width, doubled at each stage) to
+# STAGE_EMBED.
+STAGE_DEPTHS = ["depths", "depth", "num_block_repeats", "n_attn_blocks", "stage_num_blocks"]
+STAGE_HEADS = ["num_heads", "num_attention_heads"]
+STAGE_WIDTHS = ["hidden_sizes", "embed_dims", "embed_dim"]
+STAGE_WIDTH = 128
+STAGE_EMBED = 16
 # Set to 0.1 where the config has them: recomputation must replay the dropout masks.
 DROPOUTS = ["attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout"]
 TOKEN_IDS = ["pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
              "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id"]
 FIRST_ID = 8  # ids below this are left to the configs' special tokens
+
+# Where the generic shrinking breaks a config: fields kept at their defaults, by model type
+# (sizes tied to fields it does not shrink), and values set over it.
+KEEP = {
+    "levit": ["patch_size"],  # the stride of its four stem convolutions, 16 by construction
+}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # Transformers' CvT picks stage i's drop-path rate by i among its depth[i] rates
+    # (modeling_cvt.py:422): the third stage needs three blocks
+    "cvt": {"depth": [1, 2, 3]},
+    "bit": {"num_groups": 4},  # group norms over the shrunk bottlenecks' 4 channels
+    # convolutional nets sized by multipliers (EfficientNet-B7's to B0's) or by lists the
+    # generic rules do not know: the stages' channels, each stage's input the last's output
+    "efficientnet": {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
+    "mobilenet_v1": {"depth_multiplier": 0.25},
+    "mobilenet_v2": {"depth_multiplier": 0.25},
+    "mobilevitv2": {"width_multiplier": 0.5},
+    "hgnet_v2": {"stem_channels": [3, 16, 16], "stage_in_channels": [16, 32, 64, 128],
+                 "stage_mid_channels": [16, 16, 32, 64], "stage_out_channels": [32, 64, 128, 256],
+                 "hidden_sizes": [32, 64, 128, 256]},
+    "textnet": {"stem_out_channels": 16, "hidden_sizes": [16, 16, 32, 64, 128]},
+    # axial position embeddings: their widths sum to the hidden size, their shape multiplies
+    # to the sequence's length
+    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [8, 16],
+                 # its layers reseed the RNG from torch.seed() (nondeterministic) for their
+                 # dropout and draw their hashing rotations after: with dropout off and a
+                 # hash seed the plain step repeats itself
+                 "hash_seed": 0, "hidden_dropout_prob": 0.0,
+                 "lsh_attention_probs_dropout_prob": 0.0,
+                 "local_attention_probs_dropout_prob": 0.0},
+    "perceiver": {"max_position_embeddings": SEQ},  # its masked LM decodes that many tokens
+    "esm": {"pad_token_id": 1},  # positions count from the padding id, None by default
+    "esmc": {"num_key_value_heads": SIZES["num_attention_heads"]},  # no grouped-query attention
+}
 
 
 LAYER_COUNTS = ["num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers",
@@ -143,10 +198,13 @@ def shrink(fields: dict[str, Any], dropout: bool = True) -> dict[str, Any]:
     for name, value in fields.items():
         if isinstance(value, dict) and "model_type" in value:
             changes[name] = value | shrink(value, dropout)
+        elif name == "embed_dim" and isinstance(fields.get("depths"), list) and \
+                isinstance(value, int) and value > STAGE_EMBED:
+            changes[name] = STAGE_EMBED  # the first stage's width, doubled at each stage
         elif name in SIZES and isinstance(value, int) and not isinstance(value, bool):
             if value > SIZES[name]:
                 changes[name] = SIZES[name]
-        elif name in ("head_dim", "num_key_value_heads") and value is None:
+        elif name in ("head_dim", "num_key_value_heads", "vocab_size") and value is None:
             changes[name] = SIZES[name]  # derived where None, but not by every model
         elif name in DROPOUTS and isinstance(value, float) and dropout:
             changes[name] = 0.1
@@ -154,6 +212,10 @@ def shrink(fields: dict[str, Any], dropout: bool = True) -> dict[str, Any]:
             changes[name] = FIRST_ID - 1 - TOKEN_IDS.index(name) % FIRST_ID
         elif name == "use_cache":
             changes[name] = False
+        elif name == "image_size" and isinstance(value, list) and max(value) > IMAGE:
+            changes[name] = [IMAGE] * len(value)
+        elif _is_stage_list(name, value, layers):
+            changes[name] = _per_stage(name, value)
         elif isinstance(value, list) and value and layers and layers > wanted:
             changes[name] = _per_layer(name, value, layers, wanted)
     if sections and layers > wanted:
@@ -163,6 +225,28 @@ def shrink(fields: dict[str, Any], dropout: bool = True) -> dict[str, Any]:
         changes |= {"num_key_value_heads": SIZES["num_attention_heads"],
                     "head_dim": SIZES["qk_rope_head_dim"]}
     return {name: value for name, value in changes.items() if value is not None}
+
+
+def _is_stage_list(name: str, value: Any, layers: int | None) -> bool:
+    """Whether ``value`` is an image model's per-stage list of integers (a config without a
+    layer count: its layers are counted per stage)."""
+    return (layers is None and name in (*STAGE_DEPTHS, *STAGE_HEADS, *STAGE_WIDTHS)
+            and isinstance(value, list) and bool(value)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value))
+
+
+def _per_stage(name: str, values: list[int]) -> list[int]:
+    """A per-stage list (``_is_stage_list``) shrunk: depths to LAYERS, heads to 2, widths by
+    the power of two that brings the widest to STAGE_WIDTH or less (where every width
+    divides by it)."""
+    if name in STAGE_DEPTHS:
+        return [min(v, LAYERS) for v in values]
+    if name in STAGE_HEADS:
+        return [min(v, 2) for v in values]
+    factor = 1
+    while max(values) // factor > STAGE_WIDTH and all(v % (2 * factor) == 0 for v in values):
+        factor *= 2
+    return [v // factor for v in values]
 
 
 def _sections(fields: dict[str, Any], layers: int | None) -> list[str]:
@@ -215,6 +299,9 @@ def tiny_config(model_type: str, model_class: type, dropout: bool = True) -> Any
     config_class = configuration_auto.CONFIG_MAPPING[model_type]
     defaults = own_fields(config_class())
     changes = shrink(defaults, dropout)
+    for name in KEEP.get(model_type, []):
+        changes.pop(name, None)
+    changes |= OVERRIDES.get(model_type, {})
     config = config_class(**changes)
     wanted = getattr(model_class, "config_class", None)
     if wanted is not None and not isinstance(config, wanted):
@@ -242,25 +329,49 @@ def vocabulary(config: Any) -> int:
     return min(found) if found else VOCAB
 
 
-def make_batch(kind: str, config: Any) -> dict[str, torch.Tensor]:
-    """The batch ``kind``'s models train on, with ``labels``."""
-    generator = torch.Generator().manual_seed(1)
-    if kind == "image-classification":
-        channels = getattr(config, "num_channels", 3)
-        size = getattr(config, "image_size", IMAGE)
-        size = size if isinstance(size, int) else IMAGE
-        return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=generator),
-                "labels": torch.randint(0, config.num_labels, (BATCH,), generator=generator)}
+def make_batch(kind: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The batch ``kind``'s models train on, with ``labels``, as a fine-tuning script's data
+    collator makes it for ``model``."""
+    config, generator = model.config, torch.Generator().manual_seed(1)
+    takes = inspect.signature(model.forward).parameters
     vocab = vocabulary(config)
     ids = torch.randint(FIRST_ID, vocab, (BATCH, SEQ), generator=generator)
-    if kind == "causal-lm":
-        return {"input_ids": ids, "labels": ids.clone()}
+    if kind == "image-classification":
+        labels = torch.randint(0, config.num_labels, (BATCH,), generator=generator)
+        if "pixel_values" not in takes:  # ImageGPT: pixels as ids of colour clusters
+            return {"input_ids": ids, "labels": labels}
+        return {**pixels(config, "spatial_shapes" in takes, generator), "labels": labels}
     if kind == "masked-lm":
         labels = torch.full_like(ids, -100)
         labels[:, ::7] = ids[:, ::7]
         return {"input_ids": ids, "labels": labels}
+    if kind == "causal-lm" or not getattr(config, "is_encoder_decoder", False):
+        # speech-to-text decoders in the seq-to-seq mapping train on text as causal LMs
+        return {"input_ids": ids, "labels": ids.clone()}
     labels = torch.randint(FIRST_ID, vocab, (BATCH, SEQ // 2), generator=generator)
-    return {"input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids, "labels": labels}
+    if hasattr(model, "prepare_decoder_input_ids_from_labels"):
+        # as DataCollatorForSeq2Seq does (FSMT shifts its input_ids instead of its labels)
+        batch["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    return batch
+
+
+def pixels(config: Any, patches: bool, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random images at the vision config's size, as ``pixel_values``; with ``patches``
+    (SigLIP 2) cut into flattened patches, with their mask and grid."""
+    vision = getattr(config, "vision_config", None) or config
+    channels = getattr(vision, "num_channels", 3)
+    size = getattr(vision, "image_size", IMAGE)
+    size = size if isinstance(size, int) else IMAGE
+    images = torch.randn(BATCH, channels, size, size, generator=generator)
+    if not patches:
+        return {"pixel_values": images}
+    patch = vision.patch_size
+    grid = size // patch
+    flat = images.reshape(BATCH, channels, grid, patch, grid, patch).permute(0, 2, 4, 3, 5, 1)
+    return {"pixel_values": flat.reshape(BATCH, grid * grid, patch * patch * channels),
+            "pixel_attention_mask": torch.ones(BATCH, grid * grid, dtype=torch.long),
+            "spatial_shapes": torch.tensor([[grid, grid]] * BATCH)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,14 +477,21 @@ def build(model_type: str, mapping: str, class_name: str,
         config = tiny_config(model_type, model_class, dropout)
         if mapping == "causal-lm" and hasattr(config, "is_decoder"):
             config.is_decoder = True  # BERT-like encoders (and Reformer) as causal LMs
+        if getattr(config, "is_encoder_decoder", False) and \
+                getattr(config, "decoder_start_token_id", None) is None:
+            # T5's checkpoints set these: the decoder starts from the padding id
+            config.pad_token_id = config.pad_token_id or 0
+            config.decoder_start_token_id = config.pad_token_id
         torch.manual_seed(0)
         model = model_class(config).train()
+        if hasattr(model, "set_default_language"):  # X-MOD: a language's adapters train
+            model.set_default_language(config.languages[0])
     except (TimeLimit, KeyboardInterrupt):
         raise
     except Exception as error:
         raise Outside(f"tiny model not built: {short(error)}") from error
     turn_caches_off(model)
-    return model, make_batch(mapping, config)
+    return model, make_batch(mapping, model)
 
 
 def trains_plainly(model_type: str, mapping: str, class_name: str) -> tuple[Any, dict, bool]:
@@ -497,12 +615,12 @@ def sweep_one(model_type: str, mapping: str, class_name: str, limit: float) -> R
 # ---------------------------------------------------------------------------------------------
 
 
-def architectures(all_mappings: bool, only: list[str] | None) -> list[tuple[str, str, str]]:
-    """(model type, mapping, model class) for every entry swept, in each mapping's order."""
-    chosen = MAPPINGS if all_mappings else {"causal-lm": MAPPINGS["causal-lm"]}
+def architectures(mappings: list[str], only: list[str] | None) -> list[tuple[str, str, str]]:
+    """(model type, mapping, model class) for every entry of ``mappings`` (names of
+    ``MAPPINGS``) swept, in each mapping's order."""
     entries = []
-    for mapping, attribute in chosen.items():
-        for model_type, class_name in getattr(modeling_auto, attribute).items():
+    for mapping in mappings:
+        for model_type, class_name in getattr(modeling_auto, MAPPINGS[mapping]).items():
             if isinstance(class_name, (list, tuple)):
                 class_name = class_name[0]
             if only is None or model_type in only:
@@ -518,7 +636,13 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1%}"
 
 
-def row(result: Result) -> list[str]:
+def label(result: Result, several: bool) -> str:
+    """The architecture's name in the table and lists: its model type, and its mapping where
+    the sweep has several (``bart`` is a masked LM and a seq-to-seq model)."""
+    return f"{result.model_type} ({result.mapping})" if several else result.model_type
+
+
+def row(result: Result, several: bool = False) -> list[str]:
     status = {"pass": "PASS", "fail": "FAIL", "outside": "outside gradckpt",
               "timeout": "TIMEOUT"}[result.status]
     if result.reason:  # in full in the lists below the table
@@ -530,8 +654,9 @@ def row(result: Result) -> list[str]:
     hf = result.hf or "-"
     if result.hf_peak is not None and result.plain_peak:
         hf += f", peak {result.hf_peak / result.plain_peak:.0%}"
-    return [result.model_type, reproducible, status, ratio, percent(result.measured_vs_budget()),
-            percent(result.predicted_vs_measured()), hf, f"{result.seconds:.1f}"]
+    return [label(result, several), reproducible, status, ratio,
+            percent(result.measured_vs_budget()), percent(result.predicted_vs_measured()), hf,
+            f"{result.seconds:.1f}"]
 
 
 HEADERS = ["type", "plain repeats", "gradckpt", "budget/plain", "measured vs budget",
@@ -546,14 +671,15 @@ def summary(results: list[Result]) -> str:
 
 def report(results: list[Result], header: list[str]) -> str:
     lines = [*header, ""]
-    lines.append(_common.format_table(HEADERS, [row(r) for r in results]))
+    several = len({r.mapping for r in results}) > 1
+    lines.append(_common.format_table(HEADERS, [row(r, several) for r in results]))
     lines.append("")
     groups = {"fail": "failing", "timeout": "over the time limit", "outside": "outside gradckpt"}
     for status, title in groups.items():
         named = [r for r in results if r.status == status]
         if named:
             lines.append(f"{title} ({len(named)}):")
-            lines += [f"  {r.model_type}: {r.reason}" for r in named]
+            lines += [f"  {label(r, several)}: {r.reason}" for r in named]
     trained = [r for r in results if r.trains_plainly]
     errors = [abs(e) for r in trained if (e := r.predicted_vs_measured()) is not None]
     if errors:
@@ -565,21 +691,41 @@ def report(results: list[Result], header: list[str]) -> str:
     lines.append(f"Transformers' own checkpointing: equal gradients and less memory on "
                  f"{len(hf_saves)} of the {len(hf_ran)} where it ran ("
                  f"{sum(r.hf == 'unsupported' for r in trained)} do not support it)")
+    if several:
+        lines.append("by mapping: " + "; ".join(
+            f"{mapping} {summary([r for r in results if r.mapping == mapping]).split()[0]}"
+            for mapping in dict.fromkeys(r.mapping for r in results)))
     lines.append(summary(results))
     return "\n".join(lines)
+
+
+def mapping_names(text: str) -> list[str]:
+    """``--mappings``: names of ``MAPPINGS``, comma-separated."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MAPPINGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown mapping {', '.join(unknown) or repr(text)}: choose among "
+            f"{', '.join(MAPPINGS)}, comma-separated")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated model types to run (default: all)")
+    parser.add_argument("--mappings", type=mapping_names, default=["causal-lm"],
+                        help=f"comma-separated mappings to sweep, of {', '.join(MAPPINGS)} "
+                        f"[causal-lm]")
     parser.add_argument("--all-mappings", action="store_true",
-                        help="masked-LM, seq-to-seq and image-classification mappings too")
+                        help="every mapping: masked-LM, seq-to-seq and image-classification "
+                        "too (--mappings " + ",".join(MAPPINGS) + ")")
     parser.add_argument("--limit", type=float, default=60.0,
                         help="seconds per architecture before it is skipped [60]")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     only = args.only.split(",") if args.only else None
-    entries = architectures(args.all_mappings, only)
+    mappings = list(MAPPINGS) if args.all_mappings else args.mappings
+    entries = architectures(mappings, only)
     transformers.logging.set_verbosity_error()
     header = [
         "bench/architectures.py: every architecture of the installed Transformers, tiny, "
@@ -602,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     for index, (model_type, mapping, class_name) in enumerate(entries, 1):
         result = sweep_one(model_type, mapping, class_name, args.limit)
         results.append(result)
-        print(f"[{index}/{len(entries)}] " + "  ".join(row(result)), flush=True)
+        print(f"[{index}/{len(entries)}] " + "  ".join(row(result, len(mappings) > 1)),
+              flush=True)
     text = report(results, header)
     print()
     print(text)
@@ -610,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(
             {"summary": summary(results), "results": [asdict(r) for r in results]}, indent=1))
     if only is None:
-        name = "architectures_all_cpu.txt" if args.all_mappings else "architectures_cpu.txt"
+        name = "architectures_cpu.txt" if mappings == ["causal-lm"] else \
+            "architectures_all_cpu.txt"
         (ROOT / "docs" / "results" / name).write_text(text + "\n")
     return 0
 
