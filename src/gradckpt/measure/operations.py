@@ -17,7 +17,13 @@ from . import clock
 from .recording import BlockCall
 from .tensors import tensor_bytes
 
-__all__ = ["Operations", "operations_of"]
+__all__ = ["MENU_TIMING_RUNS", "Operations", "operations_of"]
+
+# Runs of a block's forward timed by operation where its op-level choices are chosen from the
+# times (``one_block``): each operation's least time of them. A loaded machine only adds time,
+# and to a millisecond's operation far more than it takes (the demo's GPT, one run: its GELU
+# 1-12% of the forward); the least of 15 came out the same menu run after run.
+MENU_TIMING_RUNS = 15
 
 
 class _OpTimer(TorchDispatchMode):
@@ -28,6 +34,7 @@ class _OpTimer(TorchDispatchMode):
         self.seconds: dict[str, float] = {}
         self.matmul_bytes = 0
         self.matmul_seconds = 0.0
+        self.matmul_names: set[str] = set()
         self.producer: dict[int, str] = {}  # storage -> the operation that made it
         # What a policy keeping each operation would keep: the outputs of the calls the engine
         # asks a policy about; and the operations whose outputs a later operation changes in
@@ -73,6 +80,7 @@ class _OpTimer(TorchDispatchMode):
         if is_matmul_or_attention(func):
             self.matmul_bytes += sum(tensor_bytes(t) for t in outputs)
             self.matmul_seconds += elapsed
+            self.matmul_names.add(name)
         return output
 
 
@@ -89,9 +97,12 @@ class Operations:
     count: int  # operations dispatched in its forward
 
 
-def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]) -> Operations:
+def operations_of(
+    block: nn.Module, call: BlockCall, side_inputs: dict[int, int], runs: int = 1
+) -> Operations:
     """Run the block's forward once more, timing and attributing each operation (saved side
-    inputs left out, as from ``saved_bytes``)."""
+    inputs left out, as from ``saved_bytes``); ``runs`` above 1: the forward run that many
+    times, each operation's time the least of its runs' (``MENU_TIMING_RUNS``)."""
     args, kwargs, hidden = call.fresh()
     excluded = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
     excluded |= set(side_inputs)
@@ -111,15 +122,24 @@ def operations_of(block: nn.Module, call: BlockCall, side_inputs: dict[int, int]
     if output is not None and storage_key(output) in timer.kept_by:
         name = timer.kept_by[storage_key(output)]
         timer.kept_bytes[name] -= tensor_bytes(output)
-    total = sum(timer.seconds.values())
+    seconds = dict(timer.seconds)
+    for _ in range(runs - 1):
+        again_args, again_kwargs, _ = call.fresh()
+        with _OpTimer() as again:
+            block(*again_args, **again_kwargs)
+        for name in seconds.keys() & again.seconds.keys():  # the first run's operations
+            seconds[name] = min(seconds[name], again.seconds[name])
+    matmul_seconds = (timer.matmul_seconds if runs == 1
+                      else sum(seconds[name] for name in timer.matmul_names))
+    total = sum(seconds.values())
     saved_by_op: dict[str, int] = {}
     for key, nbytes in saved.items():
         name = "input" if key == storage_key(hidden) else timer.producer.get(key, "other input")
         saved_by_op[name] = saved_by_op.get(name, 0) + nbytes
-    by_time = sorted(timer.seconds.items(), key=lambda item: -item[1])
+    by_time = sorted(seconds.items(), key=lambda item: -item[1])
     return Operations(
         matmul_bytes=timer.matmul_bytes,
-        matmul_share=timer.matmul_seconds / total if total else 0.0,
+        matmul_share=matmul_seconds / total if total else 0.0,
         saved_bytes=dict(sorted(saved_by_op.items(), key=lambda item: -item[1])),
         time_share={name: seconds / total for name, seconds in by_time} if total else {},
         kept_bytes={name: nbytes for name, nbytes in timer.kept_bytes.items()
