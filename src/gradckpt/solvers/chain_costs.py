@@ -138,7 +138,19 @@ class ChainCosts:
         self._segments: dict[int, SegmentCosts] = {}
         self._menus: dict[int, list[MenuOption]] = {}
         self.host_link, _ = offload_offer(profile)
-        self.time_noise_band = profile.notes.get(TIME_NOISE_NOTE, 0.0)
+        self.time_noise_band = self.noise_band(profile)
+
+    @staticmethod
+    def noise_band(profile: Profile) -> float:
+        """The band within which ``solve`` settled the profile's times (``timing_noise``):
+        options less than that apart are a tie; 0 where it compares them exactly.
+
+        Example:
+            >>> from gradckpt.profile_types import Profile, example_block
+            >>> ChainCosts.noise_band(Profile([example_block()], 0, 0, 1.0))
+            0.0
+        """
+        return profile.notes.get(TIME_NOISE_NOTE, 0.0)
 
     def menu(self, s: int) -> list[MenuOption]:
         """The policies block s may run under alone at the top level: ``"save-matmuls"``

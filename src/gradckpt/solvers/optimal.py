@@ -162,7 +162,13 @@ def _fastest_fitting(profile: Profile, budget_bytes: int) -> list[Segment]:
     if not fitting:
         # nothing fits: the plan of lowest peak, for solve()'s BudgetError
         return lowest if lowest is not None else lowest_peak_plan(profile)
-    return min(fitting, key=lambda entry: entry[:2])[2]
+    # Of the plans as fast as the fastest within the timing noise (or the rounding of sums:
+    # equal plans' seconds added in another order), the least peak, then the first offered:
+    # memory is measured to the byte, so noise in the times does not pick between them.
+    tolerance = max(SUM_ROUNDING, ChainCosts.noise_band(profile))
+    least = min(seconds for seconds, _, _ in fitting)
+    return min((entry for entry in fitting if entry[0] <= least * (1 + tolerance)),
+               key=lambda entry: entry[1])[2]
 
 
 def every_kth_block(profile: Profile) -> list[list[Segment]]:
