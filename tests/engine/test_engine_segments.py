@@ -305,3 +305,53 @@ def test_hugging_face_llama_layers_as_segments() -> None:
     loss, grads = step(model)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+
+
+class _DrawsBetweenBlocks(nn.Module):
+    """A loop that draws a random number before each block (LayerDrop's draw), skipping the
+    block when ``skip`` says so."""
+
+    def __init__(self, skip: float) -> None:
+        super().__init__()
+        self.skip = skip
+        self.layers = nn.ModuleList(_ResidualDropout() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if torch.rand([]) < self.skip:
+                continue
+            x = layer(x)
+        return x.sum()
+
+
+class _ResidualDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.linear(x)).relu() + x
+
+
+@pytest.mark.parametrize("skip", [0.0, 0.5], ids=["drawn", "layers-dropped"])
+def test_a_segment_replays_random_draws_made_between_its_blocks(skip: float) -> None:
+    torch.manual_seed(0)
+    model = _DrawsBetweenBlocks(skip)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def gradients(seed: int) -> list[torch.Tensor | None]:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(seed)
+        model(x).backward()
+        return [p.grad for p in model.parameters()] + [x.grad]
+
+    plain = [gradients(seed) for seed in range(6)]
+    handle = checkpoint_segments(list(model.layers), [(0, 3)])
+    segmented = [gradients(seed) for seed in range(6)]
+    handle.remove()
+    for expected, got in zip(plain, segmented, strict=True):
+        assert [g is None for g in expected] == [g is None for g in got]
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)
+                   if a is not None)

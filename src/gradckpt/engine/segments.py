@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import UsageError
+from .ambient import RngSnapshot
 from .compiled import compiling, lower_for_compile
 from .debug import _debug_state
 from .fates import PolicyLike, resolve_policy
@@ -117,6 +118,9 @@ class _CallRecord:
 
     def __init__(self, args: tuple, kwargs: dict, chain_input: torch.Tensor) -> None:
         leaves, self.spec = tree_flatten((args, kwargs))
+        # The model's loop may draw random numbers between blocks (LayerDrop's torch.rand):
+        # recomputation, which calls the blocks back to back, starts each from its own state.
+        self.rng = RngSnapshot([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)])
         self.continues = continues_chain(args, kwargs, chain_input)
         self.holes = {i for i, leaf in enumerate(leaves)
                       if chain_input is not None and is_alias(leaf, chain_input)}
@@ -387,7 +391,8 @@ class SegmentsHandle:
             output = self.blocks[segment.start](*args, **kwargs)
             for index, record in enumerate(run.records, start=segment.start + 1):
                 block_args, block_kwargs = record.call_with(first_tensor(output))
-                output = self.blocks[index](*block_args, **block_kwargs)
+                with record.rng.replayed():
+                    output = self.blocks[index](*block_args, **block_kwargs)
             return output
         finally:
             # Recomputation stops in the middle of a segment (R5): close what it opened.
