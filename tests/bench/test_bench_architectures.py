@@ -68,7 +68,7 @@ def test_subset_passes_and_known_failures_still_fail(tmp_path: Path) -> None:
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--only", ",".join(chosen), "--json", str(results_file)],
-        capture_output=True, text=True, timeout=600, env=environment,
+        capture_output=True, text=True, timeout=1800, env=environment,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {r["model_type"]: r for r in json.loads(results_file.read_text())["results"]}
@@ -121,7 +121,7 @@ def test_other_mappings_subset(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--mappings", ",".join(mappings),
          "--only", ",".join(name for _, name in chosen), "--json", str(results_file)],
-        capture_output=True, text=True, timeout=600, env=environment,
+        capture_output=True, text=True, timeout=1800, env=environment,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {(r["mapping"], r["model_type"]): r
