@@ -9,8 +9,9 @@ backward and saves exactly that operation's forward time. Which operations to ke
 in both bytes and time), measured, not ruled: on a 2-core CPU a Llama layer's RMSNorm ``mean``
 took 6% of its forward for 12 kB of output, its matmuls 22% for 16 MB. ``profile`` measures a
 few of these choices per block (``spread``: the cheapest one saving each fifth of what can be
-saved, or all where there are no more than five), their peaks as ``apply`` runs them, into ``BlockProfile.op_choices``; the optimal solver
-weighs them against keeping the block and recomputing it whole.
+saved, or all where there are no more than five), their peaks as ``apply`` runs them, into
+``BlockProfile.op_choices``; the optimal solver weighs them against keeping the block and
+recomputing it whole.
 
 ``policy_cost`` is what the cost model and the solvers read for any policy a plan names: the
 bytes it keeps, its recomputation's seconds and its measured peaks.
