@@ -56,6 +56,8 @@ KNOWN_FAILURES = {
     # a layer in each of its sections (input, recurrent, output): the recurrent layer runs
     # twice per step (n_recurrent_loops), with gradients both times, which no plan can budget
     "dory": "ran more than once",
+    # HRM's cycles run each layer two or three times with gradients: refused the same way
+    "hrm_text": "ran more than once",
 }
 
 
