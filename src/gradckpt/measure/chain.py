@@ -18,6 +18,22 @@ models hold that chain in one container, so ``find_blocks`` looks for it there:
    and counts only as the model itself (rule 5).
 2. Only the outermost stacks count: a stack inside another stack's blocks (the list of sub-layers
    inside a T5 block, the experts inside a mixture-of-experts layer) is part of those blocks.
+   Except in a stack of *stages*, whose blocks are the stages' layers, every layer of every
+   stage in turn: a list of lists of one class (PoolFormer's and PVT's ``encoder.block[i][j]``;
+   a list cannot be called, so it is no block), or a stack whose every block holds, among its
+   own children, exactly one list of one class (Swin's ``layers[i].blocks`` beside its patch
+   merging, SegFormer's ``stages[i].blocks`` beside its patch embeddings and norm, ConvNeXt's
+   and ResNet's ``stages[i].layers``), where those lists hold more than half of the stack's
+   parameters. A list holding less is a part of each block beside others as big, not a
+   stage's layers (MobileBERT's feed-forward layers beside its attention and bottlenecks).
+   What a stage runs besides its layers (downsampling, patch merging or embeddings, a norm)
+   runs between the last layer of one stage and the first of the next: the recording sees
+   that the next layer does not take the previous one's output (a chain break,
+   ``Profile.chain_breaks``), and no segment spans it. Lists beside a list of stages, in the
+   same module, with one module per stage and fewer parameters (PoolFormer's and PVT's
+   per-stage ``encoder.patch_embeddings``, run between the stages) are such parts, not a
+   stack of the chain. Only one level is opened: the layers' own lists (the convolutions of a
+   ResNet bottleneck) are parts of the layers.
 3. The *main* stack is the one whose blocks hold the most parameters. Every other stack is
    returned too when it holds at least a tenth of the main stack's parameters, so that
    encoder-decoder models (T5, BART, Whisper) give their encoder's and their decoder's layers,
@@ -91,8 +107,8 @@ from .model_state import buffers_and_rng_preserved
 from .stacks import (
     candidate_stacks,
     chosen_stacks,
-    join_name,
     original_class,
+    stack_blocks,
 )
 from .step import run_model
 
@@ -165,11 +181,7 @@ def _blocks_of(stacks: list[tuple[str, nn.Module]], model: nn.Module
             "as model.layers or transformer.h in Hugging Face models), or a model that is "
             f"itself an nn.Sequential of 2 or more modules; {_HOW_TO_PASS_BLOCKS}"
         )
-    return [
-        (join_name(name, child_name), child)
-        for name, stack in stacks
-        for child_name, child in stack.named_children()
-    ]
+    return [block for name, stack in stacks for block in stack_blocks(name, stack)]
 
 
 def resolve_blocks(
@@ -325,8 +337,8 @@ def _blocks_that_run(model: nn.Module, sample: Any) -> list[tuple[str, nn.Module
             handle.remove()
 
     ran_ids = {id(watched[index][1]) for index in first_call}
-    chosen = chosen_stacks(
-        model, ran=lambda stack: any(id(child) in ran_ids for child in stack.children()))
+    chosen = chosen_stacks(model, ran=lambda name, stack: any(
+        id(block) in ran_ids for _, block in stack_blocks(name, stack)))
     if not chosen:  # no stack ran: the blocks found by structure did not
         chosen = chosen_stacks(model)
     index_of = {name: index for index, (name, _) in enumerate(watched)}

@@ -1,8 +1,9 @@
 """Stacks: the lists of blocks in a model's structure, and which of them make its chain.
 
 ``chain.find_blocks`` documents the rules (its module docstring, rules 1-5); this module
-implements the structural part: which modules are stacks (``candidate_stacks``), and which of
-them the chain is made of (``chosen_stacks``), before anything runs.
+implements the structural part: which modules are stacks (``candidate_stacks``), which of
+them the chain is made of (``chosen_stacks``), and a stack's blocks (``stack_blocks``: its
+children, or the layers of each of its stages), before anything runs.
 
 Example:
     >>> from torch import nn
@@ -18,7 +19,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["block_classes", "candidate_stacks", "chosen_stacks", "is_inside", "is_stack",
-           "join_name", "original_class", "parameter_count"]
+           "join_name", "original_class", "parameter_count", "stack_blocks", "stage_layers"]
 
 # A stack beside the main one counts when it holds at least this share of the main stack's
 # parameters: an encoder-decoder model's smaller stack holds about as many (T5's decoder layers
@@ -29,10 +30,11 @@ _SECONDARY_STACK_MIN_SHARE = 0.1
 
 def chosen_stacks(model: nn.Module, ran: Any = None) -> list[tuple[str, nn.Module]]:
     """Rules 1-3 and 5 of ``chain``'s module docstring: the stacks of the chain, in creation order;
-    with ``ran`` (a predicate on a stack), chosen among the stacks it holds true for."""
+    with ``ran`` (a predicate on a stack's name and module), chosen among the stacks it holds
+    true for."""
     candidates = candidate_stacks(model)
     if ran is not None:
-        candidates = [(name, stack) for name, stack in candidates if ran(stack)]
+        candidates = [(name, stack) for name, stack in candidates if ran(name, stack)]
     if not candidates:
         return []
     one_class = [(name, stack) for name, stack in candidates if is_stack(stack)]
@@ -52,9 +54,88 @@ def chosen_stacks(model: nn.Module, ran: Any = None) -> list[tuple[str, nn.Modul
         (name, stack)
         for name, stack in stacks
         if name == main_name
-        or parameter_count(stack) >= _SECONDARY_STACK_MIN_SHARE * main_parameters
+        or (parameter_count(stack) >= _SECONDARY_STACK_MIN_SHARE * main_parameters
+            and not _parts_of_stages(name, stack, stacks))
         or block_classes(stack) <= main_classes
     ]
+
+
+def stage_layers(name: str, stack: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """Where ``stack`` is a list of *stages* (rule 2), the list of layers in each stage, as
+    ``(qualified_name, list)`` in stage order; ``None`` where its children are the blocks.
+
+    A stack's children are stages when each of them is a list of one class itself (an
+    ``nn.ModuleList``, which cannot be called, or an ``nn.Sequential``: PoolFormer's
+    ``encoder.block[i]``), or when each holds, among its own children, exactly one list of
+    one class (Swin's ``layers[i].blocks``, beside its patch merging; ConvNeXt's
+    ``stages[i].layers``, beside a downsampling list of several classes), and those lists
+    hold more than half of the stack's parameters: the stages' other parts are transitions
+    (downsampling, patch embeddings, norms), where a list holding less is a part of each block
+    beside others as big (MobileBERT's feed-forward layers beside its attention).
+
+    Example:
+        >>> from torch import nn
+        >>> stages = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]),
+        ...                         nn.ModuleList([nn.Linear(2, 2)])])
+        >>> [name for name, _ in stage_layers("stages", stages)]
+        ['stages.0', 'stages.1']
+        >>> stage_layers("layers", nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])) is None
+        True
+    """
+    if not is_stack(stack):
+        return None
+    layers = []
+    for child_name, child in stack.named_children():
+        if _is_list_of_one_class(child):
+            inner = [("", child)]
+        else:
+            inner = [(grandchild_name, grandchild)
+                     for grandchild_name, grandchild in child.named_children()
+                     if _is_list_of_one_class(grandchild)]
+        if len(inner) != 1:
+            return None
+        stage_name = join_name(name, child_name)
+        inner_name, inner_list = inner[0]
+        layers.append((join_name(stage_name, inner_name) if inner_name else stage_name,
+                       inner_list))
+    if sum(parameter_count(inner) for _, inner in layers) * 2 <= parameter_count(stack):
+        return None  # the lists are a part of each block (MobileBERT's feed-forward layers)
+    return layers
+
+
+def stack_blocks(name: str, stack: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of the stack named ``name``, as ``(qualified_name, module)`` in creation
+    order: its children, or, for a list of stages, the layers of each stage in turn (rule 2).
+
+    Example:
+        >>> from torch import nn
+        >>> stages = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]),
+        ...                         nn.ModuleList([nn.Linear(2, 2)])])
+        >>> [name for name, _ in stack_blocks("encoder.block", stages)]
+        ['encoder.block.0.0', 'encoder.block.0.1', 'encoder.block.1.0']
+    """
+    lists = stage_layers(name, stack) or [(name, stack)]
+    return [(join_name(list_name, child_name), child)
+            for list_name, layers in lists for child_name, child in layers.named_children()]
+
+
+def _is_list_of_one_class(module: nn.Module) -> bool:
+    children = list(module.children())
+    return (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 1
+            and len({original_class(child) for child in children}) == 1)
+
+
+def _parts_of_stages(name: str, stack: nn.Module, stacks: list[tuple[str, nn.Module]]) -> bool:
+    """Whether ``stack`` is a list beside a bigger list of stages, in the same module, with one
+    module per stage: the stages' other parts (PVT's and PoolFormer's per-stage patch
+    embeddings beside ``encoder.block``), which run between the stages' layers (rule 2)."""
+    parent = name.rpartition(".")[0]
+    return any(
+        other_name != name and other_name.rpartition(".")[0] == parent
+        and len(other) == len(stack) and stage_layers(other_name, other) is not None
+        and parameter_count(other) > parameter_count(stack)
+        for other_name, other in stacks
+    )
 
 
 def candidate_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
