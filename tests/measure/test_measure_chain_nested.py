@@ -196,6 +196,17 @@ class FeedForwards(nn.Module):
         return x + hidden
 
 
+class Residual(nn.Module):
+    """A residual block whose body is a list of layers: the block is the layer."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(Layer(width), Layer(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
 def test_a_list_of_stages_gives_the_layers_of_each_stage() -> None:
     names = [name for name, _ in find_blocks(Staged())]
     assert names == [f"stages.{stage}.layers.{layer}" for stage in range(2)
@@ -211,8 +222,17 @@ def test_a_list_of_lists_gives_their_layers_and_leaves_the_per_stage_lists_out()
 
 def test_a_list_holding_less_than_half_of_each_layer_is_part_of_it() -> None:
     model = nn.Sequential(nn.Linear(8, 8))
-    model.layers = nn.ModuleList([FeedForwards(), FeedForwards()])
+    model.layers = nn.ModuleList([FeedForwards(8), FeedForwards(16)])  # not alike
     assert [name for name, _ in find_blocks(model)] == ["layers.0", "layers.1"]
+
+
+def test_blocks_all_alike_are_the_layers_and_their_lists_parts_of_them() -> None:
+    # Residual blocks of one width: each block is a layer of the model, its body a part of
+    # it (planned per body, every residual sum would be a chain break: 48% of the plain peak
+    # at least instead of 31% for six such blocks of convolutions).
+    model = nn.Sequential(nn.Linear(8, 8))
+    model.blocks = nn.ModuleList([Residual(), Residual(), Residual()])
+    assert [name for name, _ in find_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
 
 
 @pytest.mark.parametrize("build", [Staged, ListsOfLists], ids=["stages", "lists_of_lists"])

@@ -23,9 +23,11 @@ models hold that chain in one container, so ``find_blocks`` looks for it there:
    a list cannot be called, so it is no block), or a stack whose every block holds, among its
    own children, exactly one list of one class (Swin's ``layers[i].blocks`` beside its patch
    merging, SegFormer's ``stages[i].blocks`` beside its patch embeddings and norm, ConvNeXt's
-   and ResNet's ``stages[i].layers``), where those lists hold more than half of the stack's
-   parameters. A list holding less is a part of each block beside others as big, not a
-   stage's layers (MobileBERT's feed-forward layers beside its attention and bottlenecks).
+   and ResNet's ``stages[i].layers``), where the blocks differ (parameters of other names or
+   shapes: stages of several widths) and those lists hold more than half of the stack's
+   parameters. Blocks all alike are the repeated layers themselves, a list in each a part of
+   it (a residual block's body, run between the block's input and its sum with it), and so
+   is a list holding less than half (MobileBERT's feed-forward layers beside its attention).
    What a stage runs besides its layers (downsampling, patch merging or embeddings, a norm)
    runs between the last layer of one stage and the first of the next: the recording sees
    that the next layer does not take the previous one's output (a chain break,

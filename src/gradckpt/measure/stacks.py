@@ -68,10 +68,13 @@ def stage_layers(name: str, stack: nn.Module) -> list[tuple[str, nn.Module]] | N
     ``nn.ModuleList``, which cannot be called, or an ``nn.Sequential``: PoolFormer's
     ``encoder.block[i]``), or when each holds, among its own children, exactly one list of
     one class (Swin's ``layers[i].blocks``, beside its patch merging; ConvNeXt's
-    ``stages[i].layers``, beside a downsampling list of several classes), and those lists
-    hold more than half of the stack's parameters: the stages' other parts are transitions
-    (downsampling, patch embeddings, norms), where a list holding less is a part of each block
-    beside others as big (MobileBERT's feed-forward layers beside its attention).
+    ``stages[i].layers``, beside a downsampling list of several classes), where the stages
+    differ (in their parameters' names and shapes: widths, depths, a transition the last
+    stage lacks) and those lists hold more than half of the stack's parameters. Blocks all
+    alike are the model's repeated layers, and a list in each a part of it (a residual
+    block's body, MobileBERT's feed-forward layers beside its attention); so is a list
+    holding less than half: the stages' other parts are transitions (downsampling, patch
+    embeddings, norms).
 
     Example:
         >>> from torch import nn
@@ -84,6 +87,10 @@ def stage_layers(name: str, stack: nn.Module) -> list[tuple[str, nn.Module]] | N
     """
     if not is_stack(stack):
         return None
+    children = list(stack.children())
+    if not all(_is_list_of_one_class(child) for child in children) and len(
+            {_parameter_shapes(child) for child in children}) == 1:
+        return None  # alike blocks are the repeated layers, their lists parts of each
     layers = []
     for child_name, child in stack.named_children():
         if _is_list_of_one_class(child):
@@ -117,6 +124,10 @@ def stack_blocks(name: str, stack: nn.Module) -> list[tuple[str, nn.Module]]:
     lists = stage_layers(name, stack) or [(name, stack)]
     return [(join_name(list_name, child_name), child)
             for list_name, layers in lists for child_name, child in layers.named_children()]
+
+
+def _parameter_shapes(module: nn.Module) -> tuple:
+    return tuple((name, tuple(parameter.shape)) for name, parameter in module.named_parameters())
 
 
 def _is_list_of_one_class(module: nn.Module) -> bool:
