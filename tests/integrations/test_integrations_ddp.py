@@ -124,14 +124,8 @@ def peak_worker(rank: int, port: int, out: str, bucket_view: bool) -> None:
     batch = micro_batches(rank, 1)[0]
     plan = gradckpt.enable(model, batch, budget="85%", optimizer="adamw", ddp=True)
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-    torch.manual_seed(rank)
-    answer(out, rank, {
-        "peak_bytes": measured_peak(ddp, optimizer, batch),
-        "predicted_peak_bytes": plan.predicted_peak_bytes, "budget_bytes": plan.budget_bytes,
-        "recomputed": len(plan.segments),
-        "trainable_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-    })
+    answer_peak(out, rank, plan, ddp, batch, trainable_bytes=sum(
+        p.numel() * p.element_size() for p in model.parameters()))
 
 
 def wrapped_peak_worker(rank: int, port: int, out: str, ddp_flag: bool | None) -> None:
@@ -142,12 +136,18 @@ def wrapped_peak_worker(rank: int, port: int, out: str, ddp_flag: bool | None) -
     ddp = DistributedDataParallel(model)
     flag = {} if ddp_flag is None else {"ddp": ddp_flag}
     plan = gradckpt.enable(ddp, batch, budget="85%", optimizer="adamw", **flag)
+    answer_peak(out, rank, plan, ddp, batch)
+
+
+def answer_peak(out: str, rank: int, plan: gradckpt.Plan, ddp: DistributedDataParallel,
+                batch: dict[str, torch.Tensor], **extra: int) -> None:
+    """The rank's measured peak of the AdamW loop (``measured_peak``) beside its plan's."""
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     torch.manual_seed(rank)
     answer(out, rank, {
         "peak_bytes": measured_peak(ddp, optimizer, batch),
         "predicted_peak_bytes": plan.predicted_peak_bytes, "budget_bytes": plan.budget_bytes,
-        "recomputed": len(plan.segments),
+        "recomputed": len(plan.segments), **extra,
     })
 
 
