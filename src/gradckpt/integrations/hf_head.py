@@ -24,12 +24,23 @@ In a chunked step ``out.loss`` is the loss and ``out.logits`` an empty tensor of
 scale, say) is caught before any plan uses it: ``profile`` compares the chunked loss with the
 model's own on the sample and offers no chunked head when they differ.
 
-A family whose loss is not ``ForCausalLMLoss`` has its own entry in ``_OWN_LOSSES``: the
-targets its loss takes, for the head's input it captured. ProphetNet predicts ``config.ngram``
-streams of tokens: its head reads ``(batch, ngram, seq, hidden)`` and each stream is scored
-against the labels as given, unshifted (``ProphetNetForCausalLM._compute_loss``). Where such a
-loss smooths its labels (ProphetNet's ``config.eps > 0``), which ``linear_cross_entropy`` does
-not, the model is not wrapped and keeps its own loss: no chunked head is offered.
+A family whose loss or logits differ from that has its entry in ``_LOSSES``, one table read
+alike by ``profile`` and by ``estimate`` (whose fake tensors have no values to compare):
+
+- the targets its own loss takes, for the head's input it captured. BART's decoder and the
+  other encoder-decoder families' decoders as causal LMs (Marian, mBART, Pegasus, Whisper,
+  TrOCR...), CPM-Ant, XLNet and XLM score the logits against the labels as they are, unshifted
+  (``CrossEntropyLoss()(logits.view(-1, vocab), labels.view(-1))``: -100 ignored, the mean,
+  ``num_items_in_batch`` not used). ProphetNet predicts ``config.ngram`` streams of tokens: its
+  head reads ``(batch, ngram, seq, hidden)`` and each stream is scored against the labels as
+  given, unshifted (``ProphetNetForCausalLM._compute_loss``);
+- when the chunked loss computes it at all: a family that scales its logits (Cohere's
+  ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``), cuts them
+  (Inkling's ``unpadded_vocab_size``) or smooths its labels (ProphetNet's ``eps``) by a config
+  value other than the neutral one is not wrapped and keeps its own loss: no chunked head is
+  offered, by ``profile`` or ``estimate``;
+- the config field of its soft-capping where it is not ``final_logit_softcapping``
+  (RecurrentGemma's ``logits_soft_cap``, xLSTM's ``output_logit_soft_cap``).
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ import torch
 from torch import nn
 
 from ..ecosystem_hooks import Occasion, register_ecosystem_hook
-from ..engine import linear_cross_entropy, planned_head_chunks
+from ..engine import linear_cross_entropy, planned_head_chunks, vocabulary_size
 
 __all__ = ["chunked_causal_lm_loss", "output_head"]
 
@@ -73,8 +84,7 @@ def chunked_causal_lm_loss(model: nn.Module, occasion: Occasion) -> Callable[[],
     for module in model.modules():
         if output_head(module) is None or "forward" in vars(module):
             continue  # not a causal language model, or wrapped already (by another hold)
-        own = _own_loss(module)
-        if own is not None and not own.computable(module):
+        if not _loss(module).computable(module):
             continue  # a loss linear_cross_entropy does not compute: the model's own
         module.forward = _chunking_forward(module)
         wrapped.append(module)
@@ -158,16 +168,16 @@ def _chunked_step(
             f"{type(module).__name__}'s forward called its output head {len(captured)} times; "
             "gradckpt cannot compute its loss in chunks: plan with output_head='plain'"
         )
-    own = _own_loss(module)
+    family = _loss(module)
     shift_labels = extra.get("shift_labels")
-    if own is not None:  # the family's own loss: its targets, nothing shifted
-        loss = linear_cross_entropy(captured[0], head, own.targets(module, captured[0], labels),
-                                    chunks=chunks)
+    if family.targets is not None:  # the family's own loss: its targets, nothing shifted
+        loss = linear_cross_entropy(
+            captured[0], head, family.targets(module, captured[0], labels), chunks=chunks)
     else:
         loss = linear_cross_entropy(
             captured[0], head, shift_labels if shift_labels is not None else labels,
             chunks=chunks, ignore_index=extra.get("ignore_index", -100),
-            shift=shift_labels is None, softcap=_softcap(module),
+            shift=shift_labels is None, softcap=_softcap(module, family.softcap),
             num_items=extra.get("num_items_in_batch"),
         )
     if isinstance(output, tuple):
@@ -206,35 +216,83 @@ def _ngram_targets(module: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     return targets
 
 
-class _OwnLoss(NamedTuple):
-    """A causal language model's own loss, not Transformers' ForCausalLMLoss: the targets
-    ``linear_cross_entropy`` takes to compute it from the head's input, and whether it can for
-    a given model (a loss with label smoothing it cannot)."""
-
-    targets: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-    computable: Callable[[nn.Module], bool]
+def _labels_as_given(module: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
+                     ) -> torch.Tensor:
+    """The targets of a loss that scores the logits against the labels as they are, unshifted:
+    ``CrossEntropyLoss()(logits.view(-1, vocab), labels.view(-1))`` (BART's ``ForCausalLM``)."""
+    return labels
 
 
-# By the Transformers class that defines the loss.
-_OWN_LOSSES = {
-    "ProphetNetForCausalLM": _OwnLoss(_ngram_targets, lambda module: not module.config.eps),
+def _config_is(field: str, neutral: float | None) -> Callable[[nn.Module], bool]:
+    """Computable where the model's config leaves ``field`` at ``neutral`` (or unset)."""
+    return lambda module: getattr(module.config, field, None) in (None, neutral)
+
+
+def _keeps_its_vocabulary(module: nn.Module) -> bool:
+    """Inkling cuts its logits to ``unpadded_vocab_size`` where that is below the head's size."""
+    kept = getattr(module.config, "unpadded_vocab_size", None)
+    return kept is None or kept >= vocabulary_size(module.get_output_embeddings())
+
+
+def _always(module: nn.Module) -> bool:
+    return True
+
+
+class _Loss(NamedTuple):
+    """How a causal language model's loss is computed from its head's input: ``targets``, the
+    targets ``linear_cross_entropy`` scores (None: Transformers' ``ForCausalLMLoss``, the
+    labels shifted, ``ignore_index``, ``num_items_in_batch``); whether it can be for a given
+    model (``computable``; one that scales its logits, say, it cannot); the config field of the
+    final logit soft-capping."""
+
+    targets: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    computable: Callable[[nn.Module], bool] = _always
+    softcap: str = "final_logit_softcapping"
+
+
+_FOR_CAUSAL_LM_LOSS = _Loss()
+_UNSHIFTED = _Loss(_labels_as_given)
+
+# By the Transformers class that defines the loss; read alike by profile and estimate. Found by
+# reading each causal LM's forward in Transformers 5.25 and checked on a tiny model of each:
+# the chunked loss equals the model's own (tests/integrations/test_integrations_hf_head_losses.py).
+_LOSSES = {
+    **dict.fromkeys([
+        "BartForCausalLM", "BigBirdPegasusForCausalLM", "BlenderbotForCausalLM",
+        "BlenderbotSmallForCausalLM", "CpmAntForCausalLM", "MarianForCausalLM",
+        "MBartForCausalLM", "MvpForCausalLM", "PegasusForCausalLM", "PLBartForCausalLM",
+        "TrOCRForCausalLM", "WhisperForCausalLM", "XLNetLMHeadModel"], _UNSHIFTED),
+    # With an adaptive softmax (config.asm) XLM's head is no linear layer.
+    "XLMWithLMHeadModel": _Loss(_labels_as_given, lambda module: not module.config.asm),
+    "ProphetNetForCausalLM": _Loss(_ngram_targets, _config_is("eps", 0.0)),
+    **dict.fromkeys(["CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM",
+                     "CohereCompassForCausalLM"], _Loss(computable=_config_is("logit_scale", 1))),
+    **dict.fromkeys(["GraniteForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
+                     "GraniteMoeSWAForCausalLM", "GraniteMoeHybridForCausalLM",
+                     "GraniteMoeSharedForCausalLM", "HyperCLOVAXForCausalLM"],
+                    _Loss(computable=_config_is("logits_scaling", 1))),
+    "FalconH1ForCausalLM": _Loss(computable=_config_is("lm_head_multiplier", 1)),
+    "InklingForCausalLM": _Loss(computable=_keeps_its_vocabulary),
+    "RecurrentGemmaForCausalLM": _Loss(softcap="logits_soft_cap"),
+    "xLSTMForCausalLM": _Loss(softcap="output_logit_soft_cap"),
 }
 
 
-def _own_loss(module: nn.Module) -> _OwnLoss | None:
-    """The family's own loss (``_OWN_LOSSES``); None where it is ForCausalLMLoss."""
+def _loss(module: nn.Module) -> _Loss:
+    """The family's loss (``_LOSSES``); ``ForCausalLMLoss`` on the head's logits where it has
+    no entry."""
     for cls in type(module).__mro__:
-        if cls.__module__.startswith("transformers.") and cls.__name__ in _OWN_LOSSES:
-            return _OWN_LOSSES[cls.__name__]
-    return None
+        if cls.__module__.startswith("transformers.") and cls.__name__ in _LOSSES:
+            return _LOSSES[cls.__name__]
+    return _FOR_CAUSAL_LM_LOSS
 
 
-def _softcap(module: nn.Module) -> float | None:
+def _softcap(module: nn.Module, field: str = "final_logit_softcapping") -> float | None:
     config = getattr(module, "config", None)
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = getattr(config, field, None)
     text = getattr(config, "get_text_config", None)
     if cap is None and callable(text):
-        cap = getattr(text(), "final_logit_softcapping", None)
+        cap = getattr(text(), field, None)
     return cap
 
 
