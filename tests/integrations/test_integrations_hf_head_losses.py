@@ -17,7 +17,9 @@ weights, dropout off, nothing downloaded) and trained as fine-tuning scripts do 
 - RecurrentGemma and xLSTM soft-cap their logits under another config name: the chunked loss
   soft-caps them too, and trains as the plain model;
 - Cohere scales its logits (``logit_scale``), Granite with ``logits_scaling`` other than 1: no
-  chunked head, from ``profile`` or ``estimate``; Granite at 1 has one from both.
+  chunked head, from ``profile`` or ``estimate``; Granite at 1 has one from both;
+- GIT scores the text's logits alone, after the image's tokens its head also reads: it keeps
+  its own loss (``profile`` and ``estimate`` raised on the chunked step's shapes).
 
 XLM also scores its labels unshifted (its entry in the table is checked by the same loss
 comparison in ``bench/architectures.py``), but ``profile`` refuses its interleaved blocks.
@@ -155,3 +157,28 @@ def test_logits_scaled_after_the_head_get_no_chunked_head_from_either(
     if not chunked:
         with pytest.raises(gradckpt.UsageError, match="output_head='chunked'.*no chunked head"):
             gradckpt.solve(predicted, None, "none", output_head="chunked")
+
+
+def test_git_scoring_its_text_after_the_image_keeps_its_own_loss() -> None:
+    """GIT's head reads the image's tokens and the text's; its loss scores the text's alone.
+    Both ``profile`` and ``estimate`` raised on the chunked step's shapes; now the model keeps
+    its own loss, no chunked head, and a plan trains it bit for bit."""
+    torch.manual_seed(0)
+    config = transformers.GitConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, image_size=32, patch_size=16),
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)
+    model = transformers.GitForCausalLM(config).train()
+    batch = {**causal_batch(), "pixel_values": torch.randn(2, 3, 32, 32,
+                                                          generator=torch.Generator())}
+    plain = copy.deepcopy(model)
+    measured, predicted = profile_and_estimate(model, batch)
+    assert chunk_counts(measured) == chunk_counts(predicted) == []
+    plan = gradckpt.solve(measured, None, "every-layer")
+    assert plan.head_chunks == 1 and plan.segments
+    got, expected = train_planned_and_plain(model, plain, batch, plan)
+    assert [loss.item() for loss in got.losses] == [loss.item() for loss in expected.losses]
+    assert largest_difference(got.gradients, expected.gradients) == 0
+    assert largest_difference(got.parameters, expected.parameters) == 0

@@ -38,7 +38,8 @@ alike by ``profile`` and by ``estimate`` (whose fake tensors have no values to c
   ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``), cuts them
   (Inkling's ``unpadded_vocab_size``) or smooths its labels (ProphetNet's ``eps``) by a config
   value other than the neutral one is not wrapped and keeps its own loss: no chunked head is
-  offered, by ``profile`` or ``estimate``;
+  offered, by ``profile`` or ``estimate``; nor is GIT, which scores the text's logits alone,
+  after the image's tokens its head also reads;
 - the config field of its soft-capping where it is not ``final_logit_softcapping``
   (RecurrentGemma's ``logits_soft_cap``, xLSTM's ``output_logit_soft_cap``).
 """
@@ -273,6 +274,8 @@ _LOSSES = {
                     _Loss(computable=_config_is("logits_scaling", 1))),
     "FalconH1ForCausalLM": _Loss(computable=_config_is("lm_head_multiplier", 1)),
     "InklingForCausalLM": _Loss(computable=_keeps_its_vocabulary),
+    # Scores only the text's logits, after the image's tokens the head also reads.
+    "GitForCausalLM": _Loss(computable=lambda module: False),
     "RecurrentGemmaForCausalLM": _Loss(softcap="logits_soft_cap"),
     "xLSTMForCausalLM": _Loss(softcap="output_logit_soft_cap"),
 }
