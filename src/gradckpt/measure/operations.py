@@ -5,6 +5,7 @@ would keep (its outputs), and the outputs of its matrix multiplies and attention
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +18,27 @@ from . import clock
 from .recording import BlockCall
 from .tensors import tensor_bytes
 
-__all__ = ["MENU_TIMING_RUNS", "Operations", "operations_of"]
+__all__ = ["MENU_TIMING_MIN_RUNS", "MENU_TIMING_RUNS", "MENU_TIMING_SECONDS", "Operations",
+           "operations_of"]
 
 # Runs of a block's forward timed by operation where its op-level choices are chosen from the
 # times (``one_block``): each operation's least time of them. A loaded machine only adds time,
 # and to a millisecond's operation far more than it takes (the demo's GPT, one run: its GELU
 # 1-12% of the forward); the least of 15 came out the same menu run after run.
 MENU_TIMING_RUNS = 15
+# No further run is started once the runs so far have taken this long (wall clock), and yet at
+# least MENU_TIMING_MIN_RUNS are made. Each run costs a block's forward: 15 of the architecture
+# sweep's Falcon-H1 layer (Mamba2 at its defaults, on CPU) took 10.6 s of CPU time, the 3 it
+# now makes 2.2 s. Many runs matter where operations take a millisecond or less, which load
+# stretches several times over; such blocks are fast and keep all 15: the tiny Llama, GPT-2
+# under LoRA and small TinyGPT of the plan-stability tests take 8-11 ms a run on a loaded
+# 2-core machine (15 in under 0.2 s; the small TinyGPT's menu: 5 different in 10 timings of 3
+# runs, 3 of 8, 1 of 15). The demo's TinyGPT (70-120 ms a run, by load) makes 5-7: 1 menu in
+# 8 timings of 5 runs, 4 of 15; at load 10, 2 in 6 capped, 3 of 15 (what moves it is the load
+# while it runs, near the 5% share offered, not the number of runs); a Llama layer of width
+# 1024 (280 ms a run): 2 menus in 5 timings of 3 runs as of 15.
+MENU_TIMING_SECONDS = 0.5
+MENU_TIMING_MIN_RUNS = 3
 
 
 class _OpTimer(TorchDispatchMode):
@@ -101,8 +116,11 @@ def operations_of(
     block: nn.Module, call: BlockCall, side_inputs: dict[int, int], runs: int = 1
 ) -> Operations:
     """Run the block's forward once more, timing and attributing each operation (saved side
-    inputs left out, as from ``saved_bytes``); ``runs`` above 1: the forward run that many
-    times, each operation's time the least of its runs' (``MENU_TIMING_RUNS``)."""
+    inputs left out, as from ``saved_bytes``); ``runs`` above 1: the forward run up to that
+    many times (``MENU_TIMING_RUNS``), each operation's time the least of its runs'; no run is
+    started once those made have taken ``MENU_TIMING_SECONDS``, after the first
+    ``MENU_TIMING_MIN_RUNS`` (or ``runs`` where fewer)."""
+    started = time.perf_counter()
     args, kwargs, hidden = call.fresh()
     excluded = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
     excluded |= set(side_inputs)
@@ -125,7 +143,10 @@ def operations_of(
     seconds = dict(timer.seconds)
     # A modeled clock times each run alike (and more runs would only move its reading's bits).
     more_runs = 0 if clock.modeled() else runs - 1
-    for _ in range(more_runs):
+    for run in range(1, 1 + more_runs):  # ``run`` runs made so far
+        if (run >= MENU_TIMING_MIN_RUNS
+                and time.perf_counter() - started >= MENU_TIMING_SECONDS):
+            break
         again_args, again_kwargs, _ = call.fresh()
         with _OpTimer() as again:
             block(*again_args, **again_kwargs)
