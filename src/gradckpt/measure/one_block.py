@@ -25,6 +25,7 @@ from ..errors import UsageError
 from ..op_choices import menu_of
 from ..profile_types import PLANNED_POLICY, BlockProfile, OpChoice
 from . import clock
+from .clock import BOOKKEEPING
 from .meter import MemoryMeter, trackable
 from .operations import MENU_TIMING_RUNS, operations_of
 from .recording import BlockCall
@@ -105,19 +106,15 @@ def measure_block(
             return _without_backward(
                 name, block, call, tensor_bytes(hidden), tensor_bytes(chain_output),
                 forward_peak, gradient_bytes, forward_in_step, readings, repeats, device)
-        gradient = torch.ones_like(chain_output)
         output_key, output_bytes = storage_key(chain_output), tensor_bytes(chain_output)
         # Backward from the output's gradient edge, the output itself let go: in a step
         # nothing else holds a block's output by then, so where its own graph saved it (a
         # ReLU's) it is freed as soon as that node has run. Held here, it was counted through
         # the whole backward: a hidden state too many on a CNN block (9.8% over the step).
-        edge = torch.autograd.graph.get_gradient_edge(chain_output)
+        backward = _backward_from_ones(chain_output, memory)
         del output, chain_output
-        start = memory.current()
-        memory.reset_peak()
-        torch.autograd.backward(edge, gradient)
+        backward_peak = backward()
         readings.add("backward", began)
-        backward_peak = memory.peak() - start
     input_saved = storage_key(hidden) in saved
     output_saved = output_key in saved
     saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
@@ -244,8 +241,8 @@ def _measured_op_choices(
     agreed = replace(measured, forward_seconds_by_op=by_op)
     for operations, kept_bytes, share in menu_of(agreed):
         policy = save_ops_policy_name(operations)
-        (forward_peak, backward_peak), _ = _checkpointed_peaks(block, call, device, policy,
-                                                             measured.name)
+        (forward_peak, backward_peak), _ = _checkpointed_peaks(
+            block, call, device, policy, measured.name, kept_output_counted=True)
         choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak))
     return choices
 
@@ -323,12 +320,22 @@ class _Readings:
 
 
 def _checkpointed_peaks(
-    block: nn.Module, call: BlockCall, device: torch.device, policy: str | None, name: str
+    block: nn.Module, call: BlockCall, device: torch.device, policy: str | None, name: str,
+    kept_output_counted: bool = False,
 ) -> tuple[tuple[int, int], Any]:
     """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
     segment: its forward's peak above its input, and its backward's peak (the recomputation
     included) above what exists when that starts; and the seconds of the whole run (its
     arguments' fresh copy, forward and backward: what ``_checkpointed_step`` times).
+
+    ``kept_output_counted``: the output, where the policy keeps it (a ReLU's, the last
+    operation's), counts in the backward's peak rather than in what exists at its start. An
+    op-level choice's kept bytes leave it out (``operations_of``: the next item retains it),
+    but in a step that item has run its backward and let it go by the time this block's
+    starts, while the policy holds it until the recomputation: left out of both, a CNN
+    block's backward under ``save-ops:aten.relu`` came out one hidden state under the step's
+    (while the measured backward held its incoming gradient to the end, of the output's
+    size, that gradient stood in for it).
 
     Measured rather than derived: what the recomputation holds and frees early (kept outputs
     backward does not save, under a policy) depends on the block's code, and a checkpointed
@@ -345,14 +352,14 @@ def _checkpointed_peaks(
         memory.reset_peak()
         output = _block_output(block(*args, **kwargs))
         forward_peak = memory.peak() - start
-        gradient = torch.ones_like(output)
-        start = memory.current()
-        memory.reset_peak()
-        output.backward(gradient)
+        # Its output let go too: in a step, the next item has released it by then.
+        backward = _backward_from_ones(output, memory)
+        output_bytes, before = tensor_bytes(output), memory.current()
+        del output
+        kept_output = max(output_bytes - (before - memory.current()), 0)
+        backward_peak = backward() + (kept_output if kept_output_counted else 0)
         readings.add("run", readings.started)
-        backward_peak = memory.peak() - start
         del args, kwargs
-    del output, gradient
     block.zero_grad(set_to_none=True)
     return (forward_peak, backward_peak), readings.seconds["run"]
 
@@ -383,6 +390,52 @@ def _planned_alone(block: nn.Module, policy: str | None, name: str) -> Iterator[
         yield
     finally:
         handle.remove()
+
+
+def _backward_from_ones(output: torch.Tensor, memory: MemoryMeter) -> Callable[[], int]:
+    """The backward from ``output`` with a gradient of ones, to run once the caller has let
+    ``output`` go; it returns its peak above what existed when the gradient was made (the
+    saved tensors and the gradient).
+
+    The gradient is made inside the backward (``_OnesGradient``), as the step's is, and freed
+    once the first node has used it: held by the caller, it was counted through the whole
+    backward (a RegNet block's peak, at its input's gradient, one output over the step's)."""
+    started: list[int] = []
+
+    def gradient_made() -> None:
+        started.append(memory.current())
+        memory.reset_peak()
+
+    with BOOKKEEPING:  # the stand-in's own operations are not the block's
+        seed = _OnesGradient.apply(output, gradient_made)
+        one = torch.ones_like(seed)
+    edge = torch.autograd.graph.get_gradient_edge(seed)
+    del seed
+
+    def backward() -> int:
+        torch.autograd.backward(edge, one)
+        return memory.peak() - started[0]
+
+    return backward
+
+
+class _OnesGradient(torch.autograd.Function):
+    """A zero-dimensional stand-in for a block's output whose backward hands the output a
+    gradient of ones made there, which nothing outside the backward holds, and calls
+    ``made`` once it exists."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, made: Callable[[], None]) -> torch.Tensor:
+        ctx.shape, ctx.made = output.shape, made
+        return output.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with BOOKKEEPING:
+            like = gradient.expand(ctx.shape)
+        ones = torch.ones_like(like)  # as a backward from ``ones_like`` is timed elsewhere
+        ctx.made()
+        return ones, None
 
 
 def _returned_bytes(output: Any, hidden: torch.Tensor, excluded: set) -> int:

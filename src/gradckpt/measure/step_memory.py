@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..engine import first_tensor
+from ..engine import first_tensor, storage_key
 from . import clock
 from .meter import MemoryMeter
 
@@ -57,6 +58,16 @@ class StepMemory:
         )
         self.start = self.peak = self.chain_backward_start = self.chain_backward_end = 0
         self.chain_forward_start = 0  # the bytes allocated when the chain's first block starts
+        # Whether the chain's input was still alive when its gradient arrived: the modules
+        # before the chain saved it (a CNN stem's ReLU its output), so it outlives the chain.
+        self.chain_input_alive_at_end = False
+        self._chain_input: StorageWeakRef | None = None
+        # What the graph saved before the chain (storage -> its weak reference and bytes), and
+        # of that, the bytes freed after the chain's backward started and before it ended:
+        # the part before the chain ran backward (MPNet's position bias's bucket indices,
+        # 128 KB) before the chain input's gradient arrived, so the end missed them.
+        self._saved_before: dict[Any, tuple[StorageWeakRef, int]] = {}
+        self.freed_before_end = 0
         self.end = 0
         self.marks: list[Mark] = []
         self.trace: list[int] = []
@@ -76,7 +87,8 @@ class StepMemory:
                     self._block_starts(index), with_kwargs=True))
             hooks.append(block.register_forward_hook(self._block_returns(index)))
         try:
-            with MemoryMeter(self.device, *tracked) as memory:
+            with MemoryMeter(self.device, *tracked) as memory, \
+                    torch.autograd.graph.saved_tensors_hooks(self._saved, lambda tensor: tensor):
                 tracked.clear()
                 self._memory = memory
                 if self.marked:
@@ -99,6 +111,16 @@ class StepMemory:
                                    peak, clock.now(), self._memory.operations))
         self._memory.reset_peak()
         self.phase = phase
+
+    def _saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.phase != "before":
+            return tensor
+        with clock.BOOKKEEPING:  # fake tensors answer about their storage with operations
+            key = storage_key(tensor)
+            if key is not None and key not in self._saved_before:
+                storage = tensor.untyped_storage()
+                self._saved_before[key] = (StorageWeakRef(storage), storage.nbytes())
+        return tensor
 
     def _mark(self, what: str, block: int) -> None:
         self._enter(self.phase, what, block)
@@ -128,6 +150,8 @@ class StepMemory:
         hidden = first_tensor((args, kwargs))
         if hidden is not None and hidden.requires_grad:
             # the gradient of the chain's input ends the chain's backward
+            self._chain_input = StorageWeakRef(hidden.untyped_storage())
+            self._saved_before.pop(storage_key(hidden), None)  # the chain's (``profile``)
             hidden.register_hook(self._chain_backward_ends)
 
     def _chain_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -142,8 +166,14 @@ class StepMemory:
         self._enter("backward")
         assert self._memory is not None
         self.chain_backward_start = self._memory.current()  # the gradient included
+        self._saved_before = {key: saved for key, saved in self._saved_before.items()
+                              if not saved[0].expired()}
 
     def _chain_backward_ends(self, gradient: torch.Tensor) -> None:
         self._enter("after")
         assert self._memory is not None
         self.chain_backward_end = self._memory.current()  # the input's gradient included
+        self.chain_input_alive_at_end = (self._chain_input is not None
+                                         and not self._chain_input.expired())
+        self.freed_before_end = sum(nbytes for reference, nbytes in self._saved_before.values()
+                                    if reference.expired())
