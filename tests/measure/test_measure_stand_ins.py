@@ -1,8 +1,9 @@
 """Identical blocks traced once (``gradckpt.measure.stand_ins``): on fake tensors, a long chain's
 steps run with its first blocks only and are put together as the whole chain's (the chunked
-head's steps with the first block alone, ``head_splice``); every field of the profile comes out
-as tracing every block gives it, and as ``profile`` measures it; chains whose blocks compute
-otherwise are traced whole."""
+head's steps with the first block alone, ``head_splice``, and its middle chunks standing in,
+``chunk_stand_ins``); every field of the profile comes out as tracing every block and every
+chunk gives it, and as ``profile`` measures it; chains whose blocks compute otherwise are
+traced whole, heads whose chunks do with every chunk traced."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import torch
 from torch import nn
 
 import gradckpt
+from gradckpt.engine import linear_cross_entropy
 from gradckpt.integrations.hf_families import causal_batch, hf_model
-from gradckpt.measure import stand_ins
+from gradckpt.measure import chunk_stand_ins, stand_ins
 from gradckpt.measure.head_splice import head_replaced
+from gradckpt.measure.meter import MemoryMeter
+from gradckpt.measure.output_head import HeadPhaseTimer, _metered_standing_in
 from gradckpt.measure.step_memory import Mark, StepMemory
+from gradckpt.predict.clock import ModeledClock
 from gradckpt.toy_models import GPTConfig, TinyGPT
 
 
@@ -24,6 +29,30 @@ def _every_block_traced(monkeypatch: pytest.MonkeyPatch, estimate) -> gradckpt.P
     with monkeypatch.context() as patch:
         patch.setattr(stand_ins.StandIns, "of", classmethod(lambda cls, blocks: None))
         return estimate()
+
+
+def _every_chunk_traced(monkeypatch: pytest.MonkeyPatch, estimate) -> gradckpt.Profile:
+    with monkeypatch.context() as patch:
+        patch.setattr(chunk_stand_ins, "KEPT", 1 << 30)  # no chunked loss has as many chunks
+        return estimate()
+
+
+def _chunks_put_back(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The chunk counts whose stand-ins are put back from now on (or why not)."""
+    put_back = []
+    real = chunk_stand_ins._put_back
+
+    def noted(chunks, *arguments):
+        try:
+            stretch = real(chunks, *arguments)
+        except chunk_stand_ins.ChunksNotSpliceable as error:
+            put_back.append(str(error))
+            raise
+        put_back.append(chunks.count)
+        return stretch
+
+    monkeypatch.setattr(chunk_stand_ins, "_put_back", noted)
+    return put_back
 
 
 def _fields(profile: gradckpt.Profile) -> dict:
@@ -88,6 +117,114 @@ def test_a_long_chain_is_estimated_from_its_first_blocks_as_from_all(case, monke
     assert _fields(fast) == _fields(whole)  # every byte and every second
 
 
+# Each with the chunks its steps put back together: where there are more than KEPT + 1.
+CHUNKED = {
+    # 122 tokens: the last chunk shorter (32 chunks asked, of 4 tokens: 30 and one of 2; 8 of
+    # 16: 7 and one of 10), full fine-tuning (the head's weight gradient summed in one
+    # buffer), the head apart from the embedding.
+    "llama ragged": (lambda: (_llama(7, attention_dropout=0.0), _meta_batch(61),
+                              {"device": "h100-80gb", "dtype": torch.bfloat16,
+                               "optimizer": "adamw"}), [8, 31]),
+    # LoRA, the frozen head: only the hidden state's gradient comes out of the chunks.
+    "lora ragged": (lambda: (_lora(_llama(7, attention_dropout=0.0)), _meta_batch(61),
+                             {"device": "rtx4090", "optimizer": "adamw"}), [8, 31]),
+    # The head tied to the embedding, at 16 chunks of 8 tokens.
+    "tied": (CASES["tied"], [16]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CHUNKED)
+def test_a_chunked_heads_middle_chunks_stand_in_as_if_every_chunk_ran(case, monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    build, chunks_put_back = CHUNKED[case]
+    model, sample, options = build()
+
+    def estimate() -> gradckpt.Profile:
+        return gradckpt.estimate(model, sample, **options)
+
+    put_back = _chunks_put_back(monkeypatch)
+    fast = estimate()
+    assert put_back == chunks_put_back
+    whole = _every_chunk_traced(monkeypatch, estimate)
+    assert put_back == chunks_put_back  # none since
+    assert _fields(fast) == _fields(whole)  # every byte and every second
+
+
+class _SliceHead(nn.Module):
+    """A vocabulary projection that computes one operation more on the slice at ``odd``."""
+
+    def __init__(self, width: int, vocabulary: int, odd: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocabulary, width))
+        self.odd = odd
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = hidden @ self.weight.t()
+        return logits * 2 if hidden.storage_offset() == self.odd else logits
+
+
+class _ChunkedLM(nn.Module):
+    """A chain of identical blocks whose loss runs through ``linear_cross_entropy``."""
+
+    def __init__(self, head: nn.Module, width: int = 16, vocabulary: int = 512) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.layers = nn.ModuleList(_Block(index, odd=-1, width=width) for index in range(6))
+        self.head = head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embedding(ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return linear_cross_entropy(hidden, self.head, ids, shift=True)
+
+
+@pytest.mark.parametrize("odd_chunk", [3, None])  # a middle compared with the one before; none
+def test_chunks_that_compute_otherwise_are_traced_every_one(odd_chunk, monkeypatch) -> None:
+    width, tokens = 16, 64  # 512 fp32 logits per 16 wide: 32 chunks of 2 tokens at most
+    odd = -1 if odd_chunk is None else odd_chunk * 2 * width
+    with torch.device("meta"):
+        model = _ChunkedLM(_SliceHead(width, 512, odd))
+    ids = torch.randint(0, 512, (1, tokens), device="meta")
+
+    def estimate() -> gradckpt.Profile:
+        return gradckpt.estimate(model, ids, loss_fn=lambda loss: loss)
+
+    put_back = _chunks_put_back(monkeypatch)
+    fast = estimate()
+    assert [head.chunks for head in fast.chunked_heads] == [2, 8, 32]
+    # the odd slice starts chunk 3 of 32 (2 tokens each); at 8 chunks it is inside the first
+    assert put_back == ([8, "the middle chunks differ"] if odd_chunk else [8, 32])
+    assert _fields(fast) == _fields(_every_chunk_traced(monkeypatch, estimate))
+
+
+def test_chunks_standing_in_where_nothing_puts_them_back_are_metered_again() -> None:
+    # A metered step (a meter keeping its trace, a modeled clock) whose chunks stood in but
+    # that nothing put back (no ``head_stretch`` of it): metered again with every chunk.
+    head = nn.Linear(8, 64, bias=False)
+    hidden = torch.randn(24, 8, requires_grad=True)
+    targets = torch.randint(0, 64, (24,))
+    operations = []
+
+    def metered() -> tuple[int, float]:
+        with MemoryMeter("cpu", head, hidden) as meter:
+            meter.trace = []
+            linear_cross_entropy(hidden, head, targets, chunks=8).backward()
+        operations.append(meter.operations)
+        return meter.operations, 0.0
+
+    class Device:
+        def seconds(self, flops: float, bytes_moved: float, dtype: torch.dtype) -> float:
+            return flops / 1e12
+
+    timer, expected = HeadPhaseTimer(nn.Identity(), torch.device("cpu")), []
+    with ModeledClock(Device()):
+        got, _ = _metered_standing_in(head, metered, timer, expected.append)
+    assert operations[0] < operations[1] == got  # 3 of the 8 chunks stood in, then none
+    assert expected == [1]  # one more step
+
+
 @pytest.mark.slow
 def test_a_long_chain_estimated_from_its_first_blocks_is_what_profile_measures() -> None:
     pytest.importorskip("transformers")
@@ -113,9 +250,9 @@ def test_a_long_chain_estimated_from_its_first_blocks_is_what_profile_measures()
 class _Block(nn.Module):
     """Built alike at every index; the one at ``odd`` computes one operation more."""
 
-    def __init__(self, index: int, odd: int) -> None:
+    def __init__(self, index: int, odd: int, width: int = 16) -> None:
         super().__init__()
-        self.linear = nn.Linear(16, 16)
+        self.linear = nn.Linear(width, width)
         self.twice = index == odd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from .region import checkpoint
 from .suspension import _standing_aside
 
 __all__ = [
-    "chunk_head", "default_head_chunks", "head_chunks_forced", "heads_called",
+    "chunk_head", "default_head_chunks", "head_chunk_calls", "head_chunks_forced", "heads_called",
     "linear_cross_entropy", "planned_head_chunks", "vocabulary_size",
 ]
 
@@ -129,13 +130,17 @@ def _chunked(
     head_call: Any = head
     if _is_plain_linear(head) and head.weight.requires_grad and torch.is_grad_enabled():
         head_call = _LinearSummingIntoOneGradient(head)
+    computed_by = _local.chunk_calls.get(id(head))  # measuring only (head_chunk_calls)
+    hidden_chunks = hidden.split(size)
     total = None
-    for hidden_chunk, target_chunk in zip(hidden.split(size), targets.split(size),
-                                          strict=True):
+    for index, (hidden_chunk, target_chunk) in enumerate(
+            zip(hidden_chunks, targets.split(size), strict=True)):
         # One region per chunk: it keeps its slice of the hidden states (a view, no copy) and
         # its targets; its logits are freed here and made again in backward.
-        part = checkpoint(_summed_loss, hidden_chunk, head_call, target_chunk, ignore_index,
-                          softcap)
+        compute = functools.partial(checkpoint, _summed_loss, hidden_chunk, head_call,
+                                    target_chunk, ignore_index, softcap)
+        part = compute() if computed_by is None else computed_by(
+            index, len(hidden_chunks), hidden_chunk, compute)
         total = part if total is None else total + part
     assert total is not None
     if num_items is None:
@@ -319,12 +324,14 @@ _planned: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary(
 
 class _HeadState(threading.local):
     """Per thread: chunk counts forced while measuring (head id -> count), the lists of heads
-    ``heads_called`` blocks are listening with, and the count AUTO chose per head."""
+    ``heads_called`` blocks are listening with, the count AUTO chose per head, and what
+    computes each chunk's loss while measuring (``head_chunk_calls``)."""
 
     def __init__(self) -> None:
         self.forced: dict[int, int] = {}
         self.listeners: list[list[nn.Module]] = []
         self.chosen: dict[int, int] = {}
+        self.chunk_calls: dict[int, Callable[..., torch.Tensor]] = {}
 
 
 _local = _HeadState()
@@ -423,3 +430,38 @@ def head_chunks_forced(head: nn.Module, chunks: int) -> Iterator[dict[str, int]]
             _local.forced.pop(key, None)
         else:
             _local.forced[key] = before
+
+
+@contextlib.contextmanager
+def head_chunk_calls(
+    head: nn.Module, call: Callable[[int, int, torch.Tensor, Callable[[], torch.Tensor]],
+                                    torch.Tensor],
+) -> Iterator[None]:
+    """Within the block, on this thread, each chunk of ``head``'s loss cut in chunks is
+    computed by ``call(index, count, hidden_chunk, compute)`` in place of ``compute()`` (the
+    chunk's checkpointed summed loss, a float32 scalar); ``count`` is how many chunks there
+    are. Measuring puts chunks that repeat one another aside with it; the loss it returns is
+    the sum of what ``call`` returns.
+
+    Example:
+        >>> head = torch.nn.Linear(4, 10)
+        >>> seen = []
+        >>> def call(index, count, hidden_chunk, compute):
+        ...     seen.append((index, count, len(hidden_chunk)))
+        ...     return compute()
+        >>> with head_chunk_calls(head, call):
+        ...     _ = linear_cross_entropy(torch.randn(5, 4), head, torch.zeros(5, dtype=torch.long),
+        ...                              chunks=2)
+        >>> seen
+        [(0, 2, 3), (1, 2, 2)]
+    """
+    key = id(head)
+    before = _local.chunk_calls.get(key)
+    _local.chunk_calls[key] = call
+    try:
+        yield
+    finally:
+        if before is None:
+            _local.chunk_calls.pop(key, None)
+        else:
+            _local.chunk_calls[key] = before

@@ -24,14 +24,16 @@ both steps' marks have one head stretch, from the chain's output to its gradient
 stretch before the chain is the same; the tests hold every field of an estimate made so equal
 to one whose chunked steps ran every kept block (``test_measure_stand_ins``).
 
-Each chunked step so traces one block instead of ``KEPT`` (``stand_ins``): the head's
-operations are most of what it still costs.
+Each chunked step so traces one block instead of ``KEPT`` (``stand_ins``), and of the head's
+chunks the first few and the last: the run's stretch comes with the middle chunks that stood in
+during it put back (``chunk_stand_ins.head_stretch``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from .chunk_stand_ins import head_stretch
 from .stand_ins import NotSpliceable
 from .step_memory import Mark, StepMemory
 
@@ -52,12 +54,12 @@ def head_replaced(plain: StepMemory, run: StepMemory) -> tuple[StepMemory, float
 
     start_change = run.start - plain.start  # the previous outputs
     head_start = plain.marks[plain_head].current + start_change
-    starts, ends = run.marks[run_head], run.marks[run_gradient]
+    # The run's, with the chunks that stood in during it put back (``chunk_stand_ins``).
+    stretch = head_stretch(run, run.marks[run_head], run.marks[run_gradient])
     before = plain.marks[plain_head]
-    gradient = Mark("backward", None, "head", head_start + ends.current - starts.current,
-                    head_start + ends.peak - starts.current,
-                    before.seconds + ends.seconds - starts.seconds,
-                    before.operations + ends.operations - starts.operations)
+    gradient = Mark("backward", None, "head", head_start + stretch.bytes,
+                    head_start + stretch.rise, before.seconds + stretch.seconds,
+                    before.operations + stretch.operations)
     replaced = plain.marks[plain_gradient]
     after_change = gradient.current - replaced.current
     seconds_change = gradient.seconds - replaced.seconds
@@ -72,8 +74,7 @@ def head_replaced(plain: StepMemory, run: StepMemory) -> tuple[StepMemory, float
     ]
     whole.trace = [
         *(total + start_change for total in plain.trace[:before.operations]),
-        *(total - starts.current + head_start
-          for total in run.trace[starts.operations:ends.operations]),
+        *(head_start + total for total in stretch.trace),
         *(total + after_change for total in plain.trace[replaced.operations:]),
     ]
     for mark in whole.marks:

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from . import clock
 from .device import infer_device
 
-__all__ = ["MemoryMeter", "measure_peak_bytes"]
+__all__ = ["MemoryMeter", "measure_peak_bytes", "running_meter"]
 
 
 class MemoryMeter:
@@ -73,6 +73,7 @@ class MemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            _entered.meters.append(self)
             return self
         # On fake tensors (``estimate``, under a modeled clock) the tracker runs without the
         # Dynamo guard TorchDispatchMode puts around each dispatch: nothing is compiled there.
@@ -87,9 +88,12 @@ class MemoryMeter:
         self._tracker.after_each_operation = self._operation_done
         self._tracker.__enter__()
         self._highest = self.current()
+        _entered.meters.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self in _entered.meters:
+            _entered.meters.remove(self)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return
@@ -124,6 +128,22 @@ class MemoryMeter:
             self._highest = now
         if self.trace is not None:
             self.trace.append(now)
+
+
+class _Entered(threading.local):
+    """The meters entered on this thread, innermost last."""
+
+    def __init__(self) -> None:
+        self.meters: list[MemoryMeter] = []
+
+
+_entered = _Entered()
+
+
+def running_meter() -> MemoryMeter | None:
+    """The innermost ``MemoryMeter`` entered on this thread and not yet left, or None: what
+    code inside a metered step reads the meter through (``chunk_stand_ins``)."""
+    return _entered.meters[-1] if _entered.meters else None
 
 
 def trackable(objects: Any) -> list[Any]:

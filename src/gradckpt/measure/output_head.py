@@ -12,7 +12,8 @@ choosing one needs to know:
    does something to its logits the chunked loss does not repeat, and no chunked head is
    offered (on fake tensors, under ``estimate``, there are no values to compare);
 2. its memory for each chunk count, phase by phase (``StepMemory``), with the previous step's
-   output as a loop holding the chunked step's output has it;
+   output as a loop holding the chunked step's output has it (on fake tensors with the middle
+   chunks standing in, ``chunk_stand_ins``);
 3. its extra time: the head's part of the step (from the chain's output to its gradient),
    plain and with the fewest and the most chunks, timed in alternating steps (the median
    difference); in between, in proportion to the chunk count (each chunk adds the same).
@@ -33,6 +34,7 @@ from torch import nn
 
 from ..engine import AUTO, default_head_chunks, first_tensor, head_chunks_forced, vocabulary_size
 from . import clock
+from .chunk_stand_ins import ChunksNotSpliceable, ChunkStandIns
 from .model_state import buffers_and_rng_preserved
 from .step_memory import StepMemory
 
@@ -137,14 +139,17 @@ def measure_chunked_head(
             forced = AUTO if plain is not None and chunks == most else chunks
             with head_chunks_forced(module, forced) as used:
                 previous_output_bytes = output_bytes()  # the chunked step's, held by the loop
-                timer.reset()
-                memory, _ = metered()
+                if plain is not None:
+                    memory, head_seconds = _metered_standing_in(module, metered, timer, expect)
+                else:
+                    timer.reset()
+                    memory, _ = metered()
             if used["chunks"] != chunks:  # AUTO took another count: measure as without ``plain``
                 return measure_chunked_head(model, head, step, output_bytes, metered, last,
                                             device, repeats, expect)
             memories[chunks] = (memory, previous_output_bytes)
             if plain is not None and chunks in times:
-                times[chunks].append(timer.seconds - plain.seconds)
+                times[chunks].append(head_seconds - plain.seconds)
         if plain is None:
             _time_apart(module, step, timer, repeats, times)
     low, high = (max(0.0, statistics.median(times[chunks])) for chunks in (fewest, most))
@@ -156,6 +161,28 @@ def measure_chunked_head(
 
     return [HeadMeasurement(name, chunks, *memories[chunks], extra(chunks))
             for chunks in counts]
+
+
+def _metered_standing_in(
+    head: nn.Module, metered: Callable[[], tuple[StepMemory, float]], timer: HeadPhaseTimer,
+    expect: Callable[[int], None],
+) -> tuple[StepMemory, float]:
+    """``metered()``, the middle chunks of ``head``'s loss standing in (``chunk_stand_ins``),
+    and the seconds of its head's part as with every chunk; metered again with every chunk
+    where they were not put back or did not add up."""
+    with ChunkStandIns(head) as stand_ins:
+        timer.reset()
+        try:
+            memory, _ = metered()
+            put_back = not stand_ins.taken
+        except ChunksNotSpliceable:
+            put_back = False
+    if put_back:
+        return memory, stand_ins.with_put_back(timer.seconds)
+    expect(1)
+    timer.reset()
+    memory, _ = metered()
+    return memory, timer.seconds
 
 
 def _time_apart(
