@@ -17,7 +17,9 @@ The output head is part of every strategy's plan: where the profile measured the
 head's loss in chunks (``Profile.chunked_heads``, a few chunk counts), each strategy solves for
 each of those steps and the plain one, and ``solve`` keeps the plan that fits at the least
 predicted extra time, the plain head on a tie, then the fewest chunks (``output_head="plain"``
-or ``"chunked"`` narrows the choice).
+or ``"chunked"`` narrows the choice). A step that peaks above the budget whatever the plan is
+not solved (it could not be kept), and ``optimal`` solves the others together
+(``optimal.solve_optimal_heads``): the same plan as solving each alone, for less work.
 
 Times measured on this machine's clock are compared with a band,
 ``timing_noise.TIME_NOISE_BAND`` (10%): times and plans less than that apart are the same, and
@@ -142,15 +144,20 @@ def solve(
     # Chosen on the times merged within the timing noise (timing_noise.py: the same model and
     # sample give the same plan), predicted on the profile's own.
     settled = settle_times(profile, time_noise)
-    candidates = [
-        plan_for(settled, strategy, budget_bytes,
-                 STRATEGIES[strategy](as_chunked(settled, chunks), budget_bytes), chunks)
-        for chunks in _head_choices(profile, output_head)
-    ]
+    choices = _head_choices(profile, output_head)
+    # A head whose step peaks above the budget whatever the plan cannot be chosen: not solved
+    # (the plain head's logits at 8k tokens alone take more than a GPU has left).
+    possible = [chunks for chunks in choices if budget_bytes is None
+                or _least_possible_peak_bytes(as_chunked(settled, chunks)) <= budget_bytes]
+    candidates = _head_candidates(settled, strategy, budget_bytes, possible)
     fitting = [plan for plan in candidates
                if budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes]
-    if not fitting:
-        raise _infeasible(profile, strategy, budget_bytes, candidates, output_head)
+    if not fitting:  # the others solved too, for the error's smallest budget that fits
+        rest = [chunks for chunks in choices if chunks not in possible]
+        solved = dict(zip(possible + rest, candidates
+                          + _head_candidates(settled, strategy, budget_bytes, rest), strict=True))
+        raise _infeasible(profile, strategy, budget_bytes, [solved[c] for c in choices],
+                          output_head)
     # The plain head first: on a tie it wins (the logits as the model returns them), and a
     # plan later in that order must be faster by more than the timing noise to win.
     least = min(plan.predicted_extra_seconds for plan in fitting)
@@ -196,6 +203,36 @@ def check_output_head(output_head: str) -> None:
                       else "")
         raise UsageError(f"unknown output_head {output_head!r}; valid: "
                          f"{', '.join(map(repr, OUTPUT_HEADS))}{suggestion}")
+
+
+def _least_possible_peak_bytes(step: Profile) -> int:
+    """A lower bound on the predicted peak of any plan for ``step``: its fixed bytes and the
+    phases no plan lowers (the head on top of whatever the chain retains, what runs outside
+    the chain, the optimizer's step; ``gradckpt.cost.simulate``).
+
+    Example:
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> _least_possible_peak_bytes(Profile([example_block()], 1500, 1000, 4.0,
+        ...                                    head_bytes=300))
+        1300
+    """
+    return step.fixed_bytes + max(step.head_bytes, step.other_peak_bytes,
+                                  step.optimizer_step_bytes)
+
+
+def _head_candidates(
+    settled: Profile, strategy: str, budget_bytes: int | None, choices: list[int],
+) -> list[Plan]:
+    """The plan ``strategy`` makes for the step with each of the head's chunk counts
+    ``choices``: ``optimal`` solves them together (``solve_optimal_heads``: the same plans,
+    from tables shared where the steps differ only in their head), the others one by one."""
+    steps = [as_chunked(settled, chunks) for chunks in choices]
+    if strategy == "optimal":
+        each = optimal.solve_optimal_heads(steps, budget_bytes)
+    else:
+        each = [STRATEGIES[strategy](step, budget_bytes) for step in steps]
+    return [plan_for(settled, strategy, budget_bytes, segments, chunks)
+            for chunks, segments in zip(choices, each, strict=True)]
 
 
 def _head_choices(profile: Profile, output_head: str) -> list[int]:

@@ -57,6 +57,14 @@ peaks, the fastest). So
 ``optimal`` is never slower than ``chen-greedy``, and a budget of exactly ``minimum_peak_bytes``
 always works.
 
+The output head's choices (``solve`` plans the step with the plain head and with each chunked
+one, ``Profile.with_chunked_head``) change only what the top-level runs see: the head's bytes
+and what is alive in the chain's forward. ``solve_optimal_heads`` fills one set of tables for
+steps that differ only there (``same_chain``: the chunked heads, whose head gradients agree),
+with a top-level column per step (n, n + 1, ...), each holding what that step's own tables
+would, read back as that step's plan: the same plans as ``solve_optimal`` of each, for about
+the work of one.
+
 Example:
     >>> from gradckpt.profile_types import Profile, example_block
     >>> blocks = [example_block(f"h.{i}") for i in range(4)]
@@ -69,6 +77,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -83,8 +92,8 @@ from .least_peak import lowest_peak_plan, minimum_peak_bytes
 from .memory_levels import CHOICE_DTYPE, SUM_ROUNDING, TIME_DTYPE, Choices, MemoryLevels
 
 __all__ = [
-    "solve_optimal", "minimum_peak_bytes", "memory_unit_bytes", "levels_for", "headroom_levels",
-    "every_kth_block",
+    "solve_optimal", "solve_optimal_heads", "same_chain", "minimum_peak_bytes",
+    "memory_unit_bytes", "levels_for", "headroom_levels", "every_kth_block",
 ]
 
 # Memory levels of the time tables: at most _MAX_LEVELS, and about _TABLE_CELLS cells per table
@@ -121,28 +130,94 @@ def solve_optimal(profile: Profile, budget_bytes: int | None) -> list[Segment]:
         >>> simulate(profile, plan)  # chain peak within the 150 bytes left, 4 s recomputed
         (150, 4.0)
     """
-    if budget_bytes is None or profile.fixed_bytes + simulate(profile, [])[0] <= budget_bytes:
-        return []
-    segments = _fastest_fitting(profile, budget_bytes)
-    cap = profile.notes.get(HOST_CAP)
-    if cap is not None and sum(b.offloaded for b in block_bytes(profile, segments)) > cap:
-        # The tables count no host memory: above the cap, the plan without offloading.
-        segments = _fastest_fitting(without_offload(profile), budget_bytes)
-    return segments
+    return solve_optimal_heads([profile], budget_bytes)[0]
 
 
-def _fastest_fitting(profile: Profile, budget_bytes: int) -> list[Segment]:
-    room_bytes = budget_bytes - profile.fixed_bytes
-    candidates = []
+def solve_optimal_heads(steps: list[Profile], budget_bytes: int | None) -> list[list[Segment]]:
+    """``solve_optimal`` of each of ``steps``, the same plans, for less work: steps that
+    differ only after the chain (``same_chain``: one step with each of its output heads,
+    ``Profile.with_chunked_head``) share one set of tables, a top-level column each.
+
+    Example:
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> blocks = [example_block(f"h.{i}") for i in range(6)]
+        >>> profile = Profile(blocks, peak_bytes=1310, fixed_bytes=1000, step_seconds=18.0)
+        >>> heads = [profile, dataclasses.replace(profile, head_bytes=100)]
+        >>> solve_optimal_heads(heads, 1150) == [solve_optimal(step, 1150) for step in heads]
+        True
+    """
+    plans: dict[int, list[Segment]] = {}
+    groups: list[list[int]] = []  # indices of steps that share their tables
+    for index, step in enumerate(steps):
+        if budget_bytes is None or step.fixed_bytes + simulate(step, [])[0] <= budget_bytes:
+            plans[index] = []
+            continue
+        group = next((group for group in groups if same_chain(steps[group[0]], step)), None)
+        if group is None:
+            groups.append([index])
+        else:
+            group.append(index)
+    for group in groups:
+        each = _fastest_fitting([steps[index] for index in group], budget_bytes)
+        for index, segments in zip(group, each, strict=True):
+            step = steps[index]
+            cap = step.notes.get(HOST_CAP)
+            if cap is not None and sum(b.offloaded for b in block_bytes(step, segments)) > cap:
+                # The tables count no host memory: above the cap, the plan without offloading.
+                segments = _fastest_fitting([without_offload(step)], budget_bytes)[0]
+            plans[index] = segments
+    return [plans[index] for index in range(len(steps))]
+
+
+# The fields of a step that the time tables read only in their top-level runs (the head, and
+# what is alive in the chain's forward besides it) or not at all (what is outside the chain).
+_AFTER_THE_CHAIN = ("head_bytes", "previous_output_bytes", "before_chain_bytes",
+                    "other_peak_bytes", "optimizer_step_bytes", "peak_bytes")
+
+
+def same_chain(first: Profile, second: Profile) -> bool:
+    """Whether the time tables of two steps agree on every run inside a segment: the steps
+    differ at most in ``_AFTER_THE_CHAIN`` (the output head: ``Profile.with_chunked_head``
+    with the same ``head_gradient_bytes``), so that one set of tables holds both.
+
+    Example:
+        >>> from gradckpt.profile_types import Profile, example_block
+        >>> profile = Profile([example_block()], 1500, 1000, 4.0, head_bytes=400)
+        >>> same_chain(profile, dataclasses.replace(profile, head_bytes=40))
+        True
+        >>> same_chain(profile, dataclasses.replace(profile, head_gradient_bytes=40))
+        False
+    """
+    return dataclasses.replace(
+        first, **{name: getattr(second, name) for name in _AFTER_THE_CHAIN}) == second
+
+
+def _fastest_fitting(steps: list[Profile], budget_bytes: int) -> list[list[Segment]]:
+    """For each of ``steps`` (``same_chain`` all), the fastest plan that fits, or when none
+    does the plan of lowest peak; from one set of tables."""
+    first = steps[0]
+    room_bytes = budget_bytes - first.fixed_bytes
     tables = None
     if room_bytes >= 0:
-        unit = memory_unit_bytes(profile, room_bytes)
+        unit = memory_unit_bytes(first, room_bytes)
         # Filled for a little more room than there is (headroom_levels), the tables hold every
         # plan that fits exactly though its sizes rounded up do not; fastest_within reads the
         # fastest of them that the cost model says fits.
-        slack = headroom_levels(len(profile.blocks)) * unit if unit > 1 else 0
-        tables = _TimeTables(profile, unit, room_bytes + slack)
-        candidates.append(tables.fastest_within(room_bytes, profile))
+        slack = headroom_levels(len(first.blocks)) * unit if unit > 1 else 0
+        tables = _TimeTables(first, unit, room_bytes + slack, heads=steps)
+    return [_fastest_of_step(step, budget_bytes, tables, head)
+            for head, step in enumerate(steps)]
+
+
+def _fastest_of_step(
+    profile: Profile, budget_bytes: int, tables: _TimeTables | None, head: int,
+) -> list[Segment]:
+    """The fastest plan that fits of one step, the ``head``-th column of ``tables`` (None
+    when no room is left for the chain): the tables' and the exactly-checked candidates."""
+    room_bytes = budget_bytes - profile.fixed_bytes
+    candidates = []
+    if tables is not None:
+        candidates.append(tables.fastest_within(room_bytes, profile, head))
         if tables.levels.unit > 1:
             # Rounding can hide a plan that fits by a few units: Chen's greedy candidates
             # (every-layer, every k-th on a uniform chain, ...) and every k-th block alone (the
@@ -150,7 +225,8 @@ def _fastest_fitting(profile: Profile, budget_bytes: int) -> list[Segment]:
             candidates.append(solve_chen_greedy(profile, budget_bytes))
             candidates.extend(every_kth_block(profile))
     lowest = None
-    if tables is None or candidates[0] is None or tables.may_miss_lowest_peak_plan(room_bytes):
+    if (tables is None or candidates[0] is None
+            or tables.may_miss_lowest_peak_plan(room_bytes, head)):
         lowest = lowest_peak_plan(profile)
         candidates.append(lowest)
     fitting = []
@@ -228,23 +304,37 @@ def headroom_levels(blocks: int) -> int:
 
 
 class _TimeTables:
-    """The tables of the module, filled at construction; ``best_plan`` reads the plan back."""
+    """The tables of the module, filled at construction; ``best_plan`` reads the plan back.
 
-    def __init__(self, profile: Profile, unit_bytes: int, room_bytes: int) -> None:
+    ``heads``: steps that differ from ``profile`` only after the chain (``same_chain``: their
+    output heads, ``Profile.with_chunked_head``), one top-level column each, n + h for the
+    h-th (default: ``profile`` alone, column n). Only the top-level runs see the head, so the
+    runs inside segments are filled once for all of them, and each top-level column holds
+    what the tables of that step alone would.
+    """
+
+    def __init__(self, profile: Profile, unit_bytes: int, room_bytes: int,
+                 heads: list[Profile] | None = None) -> None:
+        heads = [profile] if heads is None else heads
         self.chain = ChainCosts(profile)
         self.levels = MemoryLevels(unit_bytes, room_bytes)
         # An option within the timing noise of the one offered before it ties (timing_noise.py)
         self.tolerance = max(SUM_ROUNDING, self.chain.time_noise_band)
         n, levels = self.chain.n, self.levels.count
-        self.alive = torch.tensor(self.chain.alive, dtype=torch.int64)
-        self.after = torch.full((n + 1, n + 1, levels), _INF, dtype=TIME_DTYPE)
+        self.columns = n + len(heads)  # inside segments ending at 0..n-1, then the top levels
+        # What is alive in each column: a top level's is its step's (ChainCosts.alive[n]).
+        self.column_alive = self.chain.alive[:n] + [
+            head.previous_output_bytes + head.before_chain_bytes for head in heads]
+        self.alive = torch.tensor(self.column_alive, dtype=torch.int64)
+        self.after = torch.full((n + 1, self.columns, levels), _INF, dtype=TIME_DTYPE)
         self.at_input = torch.full((n, n, levels), _INF, dtype=TIME_DTYPE)
-        self.what_after = torch.full((n + 1, n + 1, levels), KEEP, dtype=CHOICE_DTYPE)
+        self.what_after = torch.full((n + 1, self.columns, levels), KEEP, dtype=CHOICE_DTYPE)
         self.what_at_input = torch.full((n, n, levels), KEEP, dtype=CHOICE_DTYPE)
         for s in range(1, n + 1):
             self.after[s, s - 1] = 0.0  # the empty run after a segment's last block
-        # The empty top-level run: the head runs on what the chain retains.
-        self.after[n, n, self.levels.units(self.chain.head_bytes):] = 0.0
+        # The empty top-level runs: each head runs on what the chain retains.
+        for column, head in enumerate(heads, start=n):
+            self.after[n, column, self.levels.units(head.head_bytes):] = 0.0
         self._after_rows = self.after.unbind(0)  # views, indexed once rather than per use
         self.held: dict[int, torch.Tensor] = {}
         self.what_held: dict[int, torch.Tensor] = {}
@@ -259,22 +349,22 @@ class _TimeTables:
         """The runs starting at block s, a few columns at a time: each column only reads the
         same column of later runs, and at most ``_GRAIN`` numbers per tensor operation keep
         every operation on this thread (see ``_GRAIN``)."""
-        n, levels = self.chain.n, self.levels.count
+        columns, levels = self.columns, self.levels.count
         if self.chain.held[s]:
-            self.held[s] = torch.full((n + 1, levels), _INF, dtype=TIME_DTYPE)
-            self.what_held[s] = torch.full((n + 1, levels), KEEP, dtype=CHOICE_DTYPE)
+            self.held[s] = torch.full((columns, levels), _INF, dtype=TIME_DTYPE)
+            self.what_held[s] = torch.full((columns, levels), KEEP, dtype=CHOICE_DTYPE)
             if s > 0:
                 self.held[s][s - 1] = 0.0  # the empty run after a segment's last block
         width = max(1, _GRAIN // levels)
-        for first in range(s, n + 1, width):
-            self._fill_columns(s, slice(first, min(n + 1, first + width)))
+        for first in range(s, columns, width):
+            self._fill_columns(s, slice(first, min(columns, first + width)))
 
     def _fill_columns(self, s: int, columns: slice) -> None:
         """The entries (and choices) of the runs from block s ending in ``columns``: block s
         kept, each segment s..j, block s under the policy, offered in the order ties keep."""
         chain, n, levels = self.chain, self.chain.n, self.levels
         c0, c1 = columns.start, columns.stop
-        top = c1 == n + 1  # the chunk holds column n, the top-level run
+        top = slice(max(n, c0), c1)  # the top-level runs' columns in the chunk (maybe none)
         keep_fresh = self._keep_first(s, False, columns)
         keep_retained = self._keep_first(s, True, columns)
         # Runs opening a segment's recomputation (columns below n: inside segments), final
@@ -307,16 +397,16 @@ class _TimeTables:
                 rows = slice(later.start - low, later.stop - low)
                 opening.offer(options[rows], exact[rows], j, slice(later.start - c0, None))
             side = chain.segment_side_bytes(s, j)
-            if side and top:  # the top-level column: the segment holds side inputs
-                options[-1:] = levels.shift(options[-1:], side)
-                exact[-1:] = levels.shift(exact[-1:], side)
+            if side and top.start < top.stop:  # the top-level columns: it holds side inputs
+                options[top.start - low:] = levels.shift(options[top.start - low:], side)
+                exact[top.start - low:] = levels.shift(exact[top.start - low:], side)
             if low == j < n:  # column j: a child ending where its segment ends (none: module)
                 options[0] = exact[0] = _INF
             segments.offer(options, exact, j, slice(low - c0, None))
-        if chain.policies and top:
-            # Top-level runs only (column n). Inside another segment the engine keeps a
-            # policy's outputs from that segment's first forward on, which no prediction counts.
-            self._offer_policy(segments, s)
+        if chain.policies and top.start < top.stop:
+            # Top-level runs only. Inside another segment the engine keeps a policy's outputs
+            # from that segment's first forward on, which no prediction counts.
+            self._offer_policy(segments, s, top, c0)
         after = Choices.first(keep_fresh, KEEP, self.tolerance)
         shifted = segments.shifted(levels, chain.blocks[s].input_bytes)
         after.offer(shifted.seconds, shifted.exact, shifted.what)
@@ -336,12 +426,13 @@ class _TimeTables:
             levels.shift(rest[columns], added),
             levels.units_tensor(torch.clamp(self.alive[columns] + forward, min=backward)),
         )
-        if chain.side[s] and columns.stop == n + 1:  # the top level: it holds side inputs
+        top = slice(max(n, columns.start), columns.stop)
+        if chain.side[s] and top.start < top.stop:  # the top levels: it holds side inputs
             added, backward = chain.kept(s, input_retained, top=True)
             forward = chain.kept_transient(s, input_retained, top=True)
-            keep[-1:] = levels.fit(
-                levels.shift(rest[n:], added),
-                levels.units_tensor(torch.tensor([max(chain.alive[n] + forward, backward)])),
+            keep[top.start - columns.start:] = levels.fit(
+                levels.shift(rest[top], added),
+                levels.units_tensor(torch.clamp(self.alive[top] + forward, min=backward)),
             )
         return keep
 
@@ -357,12 +448,12 @@ class _TimeTables:
         in each of ``rows``: columns ``low``.. of runs that open with that segment."""
         chain, n, levels = self.chain, self.chain.n, self.levels
         width = len(rows[0])
-        # The empty rest (column j; column n too when j is the last block): the segment's own
-        # forward peak is their only limit (a measured recomputation need not peak above it).
-        for column in [j, n] if j == n - 1 else [j]:
+        # The empty rest (column j; the top levels too when j is the last block): the segment's
+        # own forward peak is their only limit (a measured recomputation need not peak above).
+        for column in [j, *range(n, self.columns)] if j == n - 1 else [j]:
             if low <= column < low + width:
                 for row in rows:
-                    row[column - low, : levels.units(chain.alive[column] + transient)] = _INF
+                    row[column - low, : levels.units(self.column_alive[column] + transient)] = _INF
         # Non-empty rests need no cut where something already does: the recomputation's run
         # peaks at least there with its own gradient alive, a non-empty rest above its first
         # block's own.
@@ -374,31 +465,33 @@ class _TimeTables:
             for row in rows:
                 row[first - low:].add_(cuts)
 
-    def _offer_policy(self, segments: Choices, s: int) -> None:
-        """Block s alone under each policy of its menu, offered to the top-level run
-        (``segments``' last row): its recomputation's own peak, its first forward's, and the
-        levels the outputs it keeps and its side inputs take."""
-        chain, n, levels = self.chain, self.chain.n, self.levels
-        rest = self._after_rows[s + 1][n]
+    def _offer_policy(self, segments: Choices, s: int, top: slice, first_column: int) -> None:
+        """Block s alone under each policy of its menu, offered to the top-level runs in
+        columns ``top`` (``segments``' rows from ``top.start - first_column``): its
+        recomputation's own peak, its first forward's, and the levels the outputs it keeps
+        and its side inputs take."""
+        chain, levels = self.chain, self.levels
+        rest = self._after_rows[s + 1][top]
         for index, option in enumerate(chain.menu(s)):
             under_policy = rest + option.extra_seconds
             exact = rest.double() + option.extra_seconds
-            peak = max(option.peak, chain.alive[n] + option.transient)
-            under_policy[: levels.units(peak)] = exact[: levels.units(peak)] = _INF
+            for row, column in enumerate(range(top.start, top.stop)):
+                peak = max(option.peak, self.column_alive[column] + option.transient)
+                under_policy[row, : levels.units(peak)] = exact[row, : levels.units(peak)] = _INF
             retained = (option.kept_bytes, chain.segment_side_bytes(s, s))
             for nbytes in retained:  # rounded one by one, as the rebuild reads them
                 under_policy = levels.shift(under_policy, nbytes)
                 exact = levels.shift(exact, nbytes)
-            segments.offer(under_policy[None], exact[None], menu_choice(index),
-                           slice(-1, None))
+            segments.offer(under_policy, exact, menu_choice(index),
+                           slice(top.start - first_column, None))
 
     # ----------------------------------------------------------------------------------------
     # Rebuild
     # ----------------------------------------------------------------------------------------
 
-    def may_miss_lowest_peak_plan(self, room_bytes: int) -> bool:
+    def may_miss_lowest_peak_plan(self, room_bytes: int, head: int = 0) -> bool:
         """Whether rounding may hide a plan of the lowest peak that fits ``room_bytes`` and
-        is faster than what ``fastest_within`` read.
+        is faster than what ``fastest_within`` read (for the ``head``-th of the heads).
 
         The plan of least peak P peaks at no more than the table's lowest finite level (in
         units); rounded up, each of the at most 2n + 1 sizes adding up to any of its peaks
@@ -406,15 +499,17 @@ class _TimeTables:
         """
         if self.levels.unit == 1:
             return False  # nothing rounded: the table is exact
-        finite = torch.isfinite(self._top()).nonzero()
+        finite = torch.isfinite(self._top(head)).nonzero()
         if len(finite) == 0:
             return True
         held_from = finite[0].item() + 2 * self.chain.n + 1
         return min(self.levels.count - 1, room_bytes // self.levels.unit) < held_from
 
-    def fastest_within(self, room_bytes: int, profile: Profile) -> list[Segment] | None:
+    def fastest_within(self, room_bytes: int, profile: Profile, head: int = 0
+                       ) -> list[Segment] | None:
         """The fastest plan the tables hold whose peak (``simulate``'s, in bytes) fits
-        ``room_bytes``, as far as a few reads find it; None when they hold none.
+        ``room_bytes``, as far as a few reads find it; None when they hold none. ``profile``:
+        the ``head``-th of the heads' steps, whose top-level column is read.
 
         The tables may be filled for more room than that (``headroom_levels``). From the room's
         own level down every plan fits, its sizes rounded up; above it, a level's plan may or
@@ -426,13 +521,13 @@ class _TimeTables:
         if self.chain.n == 0:
             return None
         fits = min(self.levels.count - 1, room_bytes // self.levels.unit)  # fits rounded
-        top = self._top()
+        top = self._top(head)
         tried: set[str] = set()
         level = self.levels.count - 1
         while level > fits and len(tried) < _WALKED_PLANS:
             if math.isinf(top[level].item()):
                 return None  # nor does any lower level hold a plan
-            plan = self._plan_at(level)
+            plan = self._plan_at(level, head)
             if repr(plan) not in tried:
                 tried.add(repr(plan))
                 if simulate(profile, plan)[0] <= room_bytes:
@@ -440,34 +535,35 @@ class _TimeTables:
             level -= 1
         # Bisection between the highest level whose plan fits, as far as known, and the lowest
         # read whose plan did not.
-        fitting = None if math.isinf(top[fits].item()) else self._plan_at(fits)
+        fitting = None if math.isinf(top[fits].item()) else self._plan_at(fits, head)
         low, high = fits, level + 1
         while high - low > 1:
             middle = (low + high) // 2
             if math.isinf(top[middle].item()):
                 low = middle  # holds no plan: look higher
                 continue
-            plan = self._plan_at(middle)
+            plan = self._plan_at(middle, head)
             if simulate(profile, plan)[0] <= room_bytes:
                 low, fitting = middle, plan
             else:
                 high = middle
         return fitting
 
-    def _plan_at(self, level: int) -> list[Segment]:
-        """The whole chain's plan at ``level``, read from the choice tables."""
-        return self._rebuild(0, self.chain.n, level, self.chain.start_after_keeping(0))
+    def _plan_at(self, level: int, head: int = 0) -> list[Segment]:
+        """The whole chain's plan at ``level`` before the ``head``-th head, read from the
+        choice tables."""
+        return self._rebuild(0, self.chain.n + head, level, self.chain.start_after_keeping(0))
 
-    def best_plan(self) -> list[Segment] | None:
+    def best_plan(self, head: int = 0) -> list[Segment] | None:
         """The fastest top-level plan at the highest level, or None when nothing fits."""
-        if self.chain.n == 0 or math.isinf(self._top()[-1].item()):
+        if self.chain.n == 0 or math.isinf(self._top(head)[-1].item()):
             return None
-        return self._plan_at(self.levels.count - 1)
+        return self._plan_at(self.levels.count - 1, head)
 
-    def _top(self) -> torch.Tensor:
-        """The whole chain's least extra time at each level."""
-        n = self.chain.n
-        return self.held[0][n] if self.chain.held[0] else self.after[0, n]
+    def _top(self, head: int = 0) -> torch.Tensor:
+        """The whole chain's least extra time at each level, before the ``head``-th head."""
+        column = self.chain.n + head
+        return self.held[0][column] if self.chain.held[0] else self.after[0, column]
 
     def _rebuild(self, s: int, column: int, level: int, start: str) -> list[Segment]:
         """The plan of the run from block s in ``column`` at ``level``, read from the choice
@@ -483,7 +579,7 @@ class _TimeTables:
         )
         assert not math.isinf(seconds[column, level].item()), "the table said this run fits"
         choice = int(what[column, level].item())
-        top = column == chain.n
+        top = column >= chain.n  # one of the top levels (one per head)
         if choice == KEEP:
             added, _ = chain.kept(s, start != FRESH, top=top)
             return self._rebuild(s + 1, column, level - levels.units(added),
