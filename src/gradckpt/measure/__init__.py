@@ -27,8 +27,9 @@ Example:
     True
 """
 
-from .chain import find_blocks, resolve_blocks
+from .chain import find_blocks
 from .device import infer_device
+from .given_blocks import resolve_blocks
 from .meter import MemoryMeter, measure_peak_bytes
 from .peak import PeakMemory, peak_memory
 from .profile import profile

@@ -72,11 +72,13 @@ its attention layers, feed-forward layers and layer norms in parallel lists and 
 ``attentions[i]``, then ``ffns[i]``, then ``attentions[i + 1]``. Where each block takes the one
 before's output they are still a chain, in run order. Where they do not (XLM adds a residual
 and a layer norm between them), they are no chain that can be cut into segments, and
-``UsageError`` names the lists before any block is measured or checkpointed.
+``UsageError`` names the lists before any block is measured or checkpointed. What a run showed
+(blocks that did not run, lists run interleaved) is judged in ``chain_checks.py``, for
+``find_blocks`` given a sample and for the step ``profile`` records alike.
 
 Anything else (a single layer, blocks in an ``nn.ModuleDict``) raises ``UsageError``; pass the
-chain yourself as ``blocks=``, which ``resolve_blocks`` checks and turns into ``(name, module)``
-pairs.
+chain yourself as ``blocks=``, which ``resolve_blocks`` (``given_blocks.py``) checks and turns
+into ``(name, module)`` pairs.
 
 Example:
     >>> import torch
@@ -95,7 +97,6 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -104,19 +105,15 @@ from torch import nn
 from ..ecosystem_hooks import ecosystem_hooks_on
 from ..engine import first_tensor
 from ..engine.segments import is_alias
-from ..errors import UsageError, did_you_mean
+from ..errors import UsageError
+from .chain_checks import NoneOfTheBlocksRan, blocks_not_run, check_not_interleaved, stack_name
 from .model_state import buffers_and_rng_preserved
-from .stacks import (
-    candidate_stacks,
-    chosen_stacks,
-    original_class,
-    stack_blocks,
-)
+from .stacks import candidate_stacks, chosen_stacks, stack_blocks
 from .step import run_model
 
-__all__ = ["NoneOfTheBlocksRan", "chain_that_runs", "find_blocks", "resolve_blocks"]
+__all__ = ["HOW_TO_PASS_BLOCKS", "blocks_that_run_instead", "chain_that_runs", "find_blocks"]
 
-_HOW_TO_PASS_BLOCKS = (
+HOW_TO_PASS_BLOCKS = (
     "pass the blocks yourself, in the order the forward pass runs them, as blocks= to "
     "gradckpt.profile(), estimate() or enable(): a list of modules (blocks=[model.encoder, "
     "model.decoder]), of qualified names as in model.named_modules() "
@@ -181,126 +178,9 @@ def _blocks_of(stacks: list[tuple[str, nn.Module]], model: nn.Module
             f"find_blocks() found no chain of blocks in {type(model).__name__}: it looks for an "
             "nn.ModuleList or nn.Sequential holding 2 or more modules of the same class (such "
             "as model.layers or transformer.h in Hugging Face models), or a model that is "
-            f"itself an nn.Sequential of 2 or more modules; {_HOW_TO_PASS_BLOCKS}"
+            f"itself an nn.Sequential of 2 or more modules; {HOW_TO_PASS_BLOCKS}"
         )
     return [block for name, stack in stacks for block in stack_blocks(name, stack)]
-
-
-def resolve_blocks(
-    model: nn.Module, blocks: Iterable[nn.Module | str] | nn.Module | str | None = None
-) -> list[tuple[str, nn.Module]]:
-    """Turn a user's ``blocks=`` into ``(qualified_name, module)`` pairs, in the order given.
-
-    ``blocks`` may be:
-
-    - ``None``: the chain ``find_blocks(model)`` finds;
-    - a list (or tuple) of submodules of ``model`` and/or their qualified names as in
-      ``model.named_modules()``;
-    - an ``nn.ModuleList`` or ``nn.Sequential`` (its children are the blocks), or the qualified
-      name of one (``"model.layers"``).
-
-    The order given is taken to be the execution order. Every block must be a submodule of
-    ``model`` (not the model itself), listed once, and no block may lie inside another.
-
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> [name for name, _ in resolve_blocks(model, ["0", model[2]])]
-        ['0', '2']
-        >>> resolve_blocks(model, ["3"])
-        Traceback (most recent call last):
-        ...
-        gradckpt.errors.UsageError: blocks=: item 0, '3', is not a submodule of Sequential; ...
-    """
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"resolve_blocks() needs a torch.nn.Module, got {type(model).__name__}")
-    if blocks is None:
-        return find_blocks(model)
-
-    names_by_id = {id(module): name for name, module in model.named_modules() if name}
-
-    if isinstance(blocks, str):  # the name of a container, whose children are the blocks
-        container = _module_by_name(model, blocks, what=f"blocks={blocks!r}")
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            raise UsageError(
-                f"blocks={blocks!r} names a {type(container).__name__}, not an nn.ModuleList "
-                f"or nn.Sequential whose children could be the blocks; to use this one module "
-                f"as the only block write blocks=[{blocks!r}]"
-            )
-        blocks = list(container.children())
-    elif isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-        blocks = list(blocks.children())
-    elif isinstance(blocks, nn.Module):
-        raise UsageError(
-            f"blocks= got a single {type(blocks).__name__}; pass a list of blocks "
-            f"(blocks=[module, ...]) or an nn.ModuleList / nn.Sequential holding them"
-        )
-    elif isinstance(blocks, Iterable) and not isinstance(blocks, (bytes, dict)):
-        blocks = list(blocks)
-    else:
-        raise UsageError(
-            f"blocks= must be None, a list of modules or qualified names, or an nn.ModuleList; "
-            f"got {type(blocks).__name__}"
-        )
-    if not blocks:
-        raise UsageError(f"blocks= is empty; {_HOW_TO_PASS_BLOCKS}")
-
-    resolved: list[tuple[str, nn.Module]] = []
-    for index, item in enumerate(blocks):
-        if isinstance(item, str):
-            module = _module_by_name(model, item, what=f"blocks=: item {index}, {item!r},")
-        elif isinstance(item, nn.Module):
-            module = item
-        else:
-            raise UsageError(
-                f"blocks=: item {index} has type {type(item).__name__}; each block must be a "
-                f"submodule of the model or its qualified name (a str)"
-            )
-        if module is model:
-            raise UsageError(
-                f"blocks=: item {index} is the model itself; the blocks are the parts of the "
-                f"model that run one after another (e.g. its layers)"
-            )
-        if id(module) not in names_by_id:
-            raise UsageError(
-                f"blocks=: item {index}, a {type(module).__name__}, is not a submodule of "
-                f"{type(model).__name__} (compared by identity: a copy of a layer does not "
-                f"count); pass modules taken from the model, or their names"
-            )
-        resolved.append((names_by_id[id(module)], module))
-
-    names = [name for name, _ in resolved]
-    for position, name in enumerate(names):
-        if name in names[:position]:
-            raise UsageError(f"blocks=: {name!r} is listed twice; each block runs once per step")
-        for other in names:
-            if other.startswith(name + "."):
-                raise UsageError(
-                    f"blocks=: {other!r} lies inside {name!r}; blocks must not contain one "
-                    f"another (list either the outer block or the inner ones)"
-                )
-    return resolved
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _module_by_name(model: nn.Module, name: str, *, what: str) -> nn.Module:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        pass
-    all_names = [module_name for module_name, _ in model.named_modules() if module_name]
-    hint = did_you_mean(name, all_names) or (
-        f"; its top-level modules are {', '.join(repr(n) for n, _ in model.named_children())}"
-    )
-    raise UsageError(
-        f"{what} is not a submodule of {type(model).__name__}{hint} "
-        f"(names as in model.named_modules())"
-    )
-
 
 # --------------------------------------------------------------------------------------------
 # Run order (find_blocks with a sample)
@@ -352,7 +232,7 @@ def _blocks_that_run(model: nn.Module, sample: Any) -> list[tuple[str, nn.Module
         raise UsageError(
             f"find_blocks(): blocks {[watched[blocks[position]][0] for position in missing]} "
             "did not run in the model's forward pass on this sample, so their place in the "
-            f"chain is unknown; give a sample that runs them all, or {_HOW_TO_PASS_BLOCKS}"
+            f"chain is unknown; give a sample that runs them all, or {HOW_TO_PASS_BLOCKS}"
         )
     blocks = [index for index in blocks if index in first_call]
     # sorted() is stable, and ties cannot happen: every block that ran has its own index
@@ -367,15 +247,8 @@ def _blocks_that_run(model: nn.Module, sample: Any) -> list[tuple[str, nn.Module
 
 
 # --------------------------------------------------------------------------------------------
-# Rules on a run: stacks left out, stacks run interleaved (find_blocks with a sample, and the
-# step profile records)
+# Where none of the blocks a step was recorded with ran (profile)
 # --------------------------------------------------------------------------------------------
-
-
-class NoneOfTheBlocksRan(UsageError):
-    """None of the blocks a step was recorded with ran on the sample (``recording.py``);
-    ``profile`` turns it into the chain that runs (``chain_that_runs``) or a ``UsageError``
-    saying what to pass."""
 
 
 def chain_that_runs(
@@ -426,87 +299,10 @@ def blocks_that_run_instead(model: nn.Module, sample: Any) -> str:
         found = find_blocks(model, sample)
     except Exception:  # the error being raised says what did not run; this only adds to it
         return "; pass blocks= with the blocks that run, in order"
-    stacks = list(dict.fromkeys(_stack_name(name) for name, _ in found))
+    stacks = list(dict.fromkeys(stack_name(name) for name, _ in found))
     if len(stacks) == 1 and stacks[0]:
         how = f"blocks={stacks[0]!r}"
     else:
         how = f"blocks={[name for name, _ in found]}"
     return (f"; those of {', '.join(stacks) or 'the model'} do run on it (find_blocks(model, "
             f"sample) finds them): pass {how}")
-
-
-def blocks_not_run(
-    blocks: list[tuple[str, nn.Module]], ran: Iterable[int]
-) -> tuple[list[int], list[int]]:
-    """Of ``blocks`` (``(qualified_name, module)``: a block's list is its parent), those that
-    did not run, given the indices of those that ran: ``(left_out, missing)``. Where any block
-    ran, a block is left out when no block of its list and class ran: a whole stack that did
-    not run (a vision tower given text), or all the layers of one class in a list of several
-    that did not (cross-attention layers, given no image). The others (of a list and class
-    that ran partly, or all of them where none ran) are missing.
-
-    Example:
-        >>> from torch import nn
-        >>> blocks = [("vision.0", nn.Conv1d(1, 1, 1)), ("vision.1", nn.Conv1d(1, 1, 1)),
-        ...           ("text.0", nn.Linear(1, 1)), ("text.1", nn.Linear(1, 1))]
-        >>> blocks_not_run(blocks, ran=[2, 3])  # text only: the vision tower is left out
-        ([0, 1], [])
-        >>> blocks_not_run(blocks, ran=[2])
-        ([0, 1], [3])
-        >>> blocks_not_run(blocks, ran=[])
-        ([], [0, 1, 2, 3])
-    """
-    ran = set(ran)
-    not_run = [index for index in range(len(blocks)) if index not in ran]
-    if not ran:
-        return [], not_run
-
-    def kind(index: int) -> tuple[str, type]:
-        name, module = blocks[index]
-        return _stack_name(name), original_class(module)
-
-    kinds_that_ran = {kind(index) for index in ran}
-    left_out = [index for index in not_run if kind(index) not in kinds_that_ran]
-    return left_out, [index for index in not_run if index not in left_out]
-
-
-def check_not_interleaved(names: list[str], breaks: Iterable[int]) -> None:
-    """Raise ``UsageError`` where the blocks named ``names``, in the order they ran, come from
-    lists run interleaved (one list's block between two of another's) and, where the run
-    passes from one list to another, a block does not take the previous one's output
-    (``breaks``: those positions in ``names``): XLM's parallel attention and feed-forward
-    lists, with a residual and a layer norm between them.
-
-    Example:
-        >>> check_not_interleaved(["attn.0", "mlp.0", "attn.1", "mlp.1"], breaks=[])  # a chain
-        >>> check_not_interleaved(["encoder.0", "encoder.1", "decoder.0"], breaks=[2])
-        >>> check_not_interleaved(["attn.0", "mlp.0", "attn.1", "mlp.1"], breaks=[1, 2, 3])
-        Traceback (most recent call last):
-        ...
-        gradckpt.errors.UsageError: blocks of several lists, attn, mlp, run interleaved ...
-    """
-    stacks = [_stack_name(name) for name in names]
-    runs = [stack for position, stack in enumerate(stacks)
-            if position == 0 or stack != stacks[position - 1]]
-    if len(runs) == len(set(runs)):
-        return  # each list runs through before the next starts
-    broken = [names[position] for position in sorted(set(breaks))
-              if 0 < position < len(names) and stacks[position] != stacks[position - 1]]
-    if not broken:
-        return  # interleaved, but each block takes the previous one's output: still a chain
-    lists = list(dict.fromkeys(stacks))
-    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-    raise UsageError(
-        f"blocks of several lists, {', '.join(lists)}, run interleaved ({shown}), "
-        f"and they are no chain: {broken[0]!r} does not take the previous block's output as "
-        "its input (the model computes something between them, such as a residual and a "
-        "layer norm). Checkpointing plans over a chain of blocks, each taking the previous "
-        "one's output, which these lists together are not; pass blocks= with modules that "
-        "are: modules that each hold one layer whole (an attention with its feed-forward), or "
-        f"one of these lists (blocks='{lists[-1]}'), whose blocks are then checkpointed one "
-        "by one"
-    )
-
-
-def _stack_name(block_name: str) -> str:
-    return block_name.rpartition(".")[0]

@@ -47,9 +47,11 @@ from ..engine import first_tensor, heads_called, plans_suspended, storage_key
 from ..errors import UsageError
 from ..profile_types import MODELED_TIMES, BlockProfile, ChunkedHead, Profile
 from . import clock
-from .chain import NoneOfTheBlocksRan, chain_that_runs, resolve_blocks
+from .chain import chain_that_runs
+from .chain_checks import NoneOfTheBlocksRan
 from .device import infer_device
 from .fingerprint import BLOCK_FINGERPRINTS, CHAIN_LENGTHS, chain_fingerprint
+from .given_blocks import resolve_blocks
 from .head_splice import head_replaced
 from .host_link import host_link_notes
 from .model_state import buffers_and_rng_preserved, gradients_preserved

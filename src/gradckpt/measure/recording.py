@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..engine import AutocastSnapshot, continues_chain, detached_like, first_tensor, storage_key
 from ..errors import GradckptError, UsageError
 from . import clock
-from .chain import NoneOfTheBlocksRan, blocks_not_run, check_not_interleaved
+from .chain_checks import NoneOfTheBlocksRan, blocks_not_run, check_not_interleaved
 from .step import OutputHolder, loss_of, run_model
 from .tensors import tensor_bytes, tensors_in
 
@@ -143,9 +143,9 @@ def record_block_calls(
     (the step metered next starts with it, as it would after any step).
 
     Blocks that did not run are left out of ``order`` where no block of their list and class
-    ran but others did (``chain.blocks_not_run``); raises ``UsageError`` if other blocks did
-    not run (``chain.NoneOfTheBlocksRan`` where none ran), or the blocks run interleaved from
-    several lists and are no chain (``chain.check_not_interleaved``).
+    ran but others did (``chain_checks.blocks_not_run``); raises ``UsageError`` if other
+    blocks did not run (``chain_checks.NoneOfTheBlocksRan`` where none ran), or the blocks run
+    interleaved from several lists and are no chain (``chain_checks.check_not_interleaved``).
     """
     recording = Recording({}, {}, {}, [])
     in_backward = False  # calls from then on recompute (a model's own torch.utils.checkpoint)

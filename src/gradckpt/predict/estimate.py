@@ -27,7 +27,7 @@ from ..ecosystem_hooks import ESTIMATING, ecosystem_hooks_on
 from ..engine import storage_key
 from ..engine.module import replace_forward
 from ..errors import UsageError
-from ..measure.chain import resolve_blocks
+from ..measure.given_blocks import resolve_blocks
 from ..measure.memory_parts import CUDA_RESERVE, CUDA_RESERVE_BYTES, memory_parts
 from ..measure.profile import profile
 from ..measure.step import run_model
