@@ -18,6 +18,9 @@ weights, dropout off, nothing downloaded) and trained as fine-tuning scripts do 
   soft-caps them too, and trains as the plain model;
 - Cohere scales its logits (``logit_scale``), Granite with ``logits_scaling`` other than 1: no
   chunked head, from ``profile`` or ``estimate``; Granite at 1 has one from both;
+- a model outside the table that changes its logits (a user's subclass scaling them):
+  ``estimate`` cannot tell and offers a chunked head; applied, the plan's first training step
+  raises, saying what to do, and leaves the parameters as they were;
 - GIT scores the text's logits alone, after the image's tokens its head also reads: it keeps
   its own loss (``profile`` and ``estimate`` raised on the chunked step's shapes).
 
@@ -33,11 +36,16 @@ from typing import Any
 import pytest
 import torch
 from test_integrations_hf_head import (
+    DECODER as LLAMA,
+)
+from test_integrations_hf_head import (
     GRADIENT_TOLERANCE,
     LOSS_TOLERANCE,
     VOCAB,
+    ScaledLogitsLlama,
     causal_batch,
     largest_difference,
+    train,
     train_planned_and_plain,
 )
 from torch import nn
@@ -182,3 +190,23 @@ def test_git_scoring_its_text_after_the_image_keeps_its_own_loss() -> None:
     assert [loss.item() for loss in got.losses] == [loss.item() for loss in expected.losses]
     assert largest_difference(got.gradients, expected.gradients) == 0
     assert largest_difference(got.parameters, expected.parameters) == 0
+
+
+def test_a_chunked_plan_on_a_model_that_scales_its_logits_raises_at_its_first_step() -> None:
+    """A user's subclass that halves its logits: ``profile`` compares the losses and offers no
+    chunked head; ``estimate`` has no values and offers one. Applied, the step sees that the
+    forward multiplied the logits its head returned and raises before any gradient."""
+    torch.manual_seed(0)
+    model = ScaledLogitsLlama(transformers.LlamaConfig(vocab_size=VOCAB, **LLAMA)).train()
+    batch, before = causal_batch(), copy.deepcopy(model.state_dict())
+    measured, predicted = profile_and_estimate(model, batch)
+    assert chunk_counts(measured) == [] and chunk_counts(predicted) == [2, 4]
+    gradckpt.apply(model, gradckpt.solve(predicted, None, "none", output_head="chunked"))
+    try:
+        with pytest.raises(RuntimeError, match=r"ScaledLogitsLlama's forward changes the logits "
+                           r"its output head returns \(MulBackward0\).*output_head='plain'"):
+            train(model, batch)
+    finally:
+        gradckpt.disable(model)
+    after = model.state_dict()
+    assert all(torch.equal(after[name], value) for name, value in before.items())

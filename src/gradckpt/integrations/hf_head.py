@@ -22,7 +22,10 @@ In a chunked step ``out.loss`` is the loss and ``out.logits`` an empty tensor of
 ``(batch, seq, 0)``: the whole logits never exist. A loop that reads them plans with
 ``output_head="plain"``. A model that changes its logits in a way this does not repeat (a
 scale, say) is caught before any plan uses it: ``profile`` compares the chunked loss with the
-model's own on the sample and offers no chunked head when they differ.
+model's own on the sample and offers no chunked head when they differ. ``estimate`` cannot
+compare values; with a plan applied, a chunked step whose forward did more to the (empty)
+logits its head returned than views and casts raises, before any gradient, where the family
+has no entry below that explains it (``_logits_changed``).
 
 A family whose loss or logits differ from that has its entry in ``_LOSSES``, one table read
 alike by ``profile`` and by ``estimate`` (whose fake tensors have no values to compare):
@@ -87,7 +90,10 @@ def chunked_causal_lm_loss(model: nn.Module, occasion: Occasion) -> Callable[[],
             continue  # not a causal language model, or wrapped already (by another hold)
         if not _loss(module).computable(module):
             continue  # a loss linear_cross_entropy does not compute: the model's own
-        module.forward = _chunking_forward(module)
+        # With a plan applied, a step whose logits the forward changed raises (see
+        # _logits_changed); while measuring, profile compares the losses instead.
+        module.forward = _chunking_forward(
+            module, check_logits=occasion.plan_applied and not occasion.fake_tensors)
         wrapped.append(module)
     if not wrapped:
         return None
@@ -112,7 +118,7 @@ def _is_causal_lm(module: nn.Module) -> bool:
                for cls in type(module).__mro__)
 
 
-def _chunking_forward(module: nn.Module) -> Callable[..., Any]:
+def _chunking_forward(module: nn.Module, check_logits: bool = False) -> Callable[..., Any]:
     # The module holds this function: holding the module back only weakly keeps the two out
     # of a reference cycle, so the model is freed when its last user lets go, not at some later
     # garbage collection (under DDP, in the middle of whatever runs then).
@@ -140,7 +146,8 @@ def _chunking_forward(module: nn.Module) -> Callable[..., Any]:
         if chunks == 1:
             return forward_of_class(module, *args, **kwargs)
         original = functools.partial(forward_of_class, module)
-        return _chunked_step(module, head, original, signature, args, kwargs, chunks)
+        return _chunked_step(module, head, original, signature, args, kwargs, chunks,
+                             check_logits)
 
     return forward
 
@@ -148,16 +155,22 @@ def _chunking_forward(module: nn.Module) -> Callable[..., Any]:
 def _chunked_step(
     module: nn.Module, head: nn.Module, original: Callable[..., Any],
     signature: inspect.Signature, args: tuple, kwargs: dict, chunks: int,
+    check_logits: bool = False,
 ) -> Any:
     bound = signature.bind(*args, **kwargs)
     labels = bound.arguments["labels"]
     bound.arguments["labels"] = None  # the model computes no loss: this does
     extra = bound.arguments.get("kwargs") or {}
     captured: list[torch.Tensor] = []
+    returned: list[torch.Tensor] = []
 
     def capture(hidden: torch.Tensor, *rest: Any, **options: Any) -> torch.Tensor:
         captured.append(hidden)
-        return hidden.new_empty((*hidden.shape[:-1], 0))
+        logits = hidden.new_empty((*hidden.shape[:-1], 0))
+        if check_logits:  # what the forward does to them is recorded by autograd (no bytes)
+            logits.requires_grad_(hidden.requires_grad)
+        returned.append(logits)
+        return logits
 
     head.forward = capture  # the head's hooks still run around it
     try:
@@ -170,6 +183,15 @@ def _chunked_step(
             "gradckpt cannot compute its loss in chunks: plan with output_head='plain'"
         )
     family = _loss(module)
+    if check_logits and family is _FOR_CAUSAL_LM_LOSS and _softcap(module) is None:
+        changed = _logits_changed(output, returned[0])
+        if changed is not None:
+            raise RuntimeError(
+                f"{type(module).__name__}'s forward changes the logits its output head returns "
+                f"({changed}) before its loss: the loss gradckpt computes in chunks would not "
+                "be the model's own. Plan with output_head='plain' (enable(..., "
+                "output_head='plain'), GradckptCallback(..., output_head='plain')), or with "
+                "gradckpt.profile, which compares the two losses on a real sample")
     shift_labels = extra.get("shift_labels")
     if family.targets is not None:  # the family's own loss: its targets, nothing shifted
         loss = linear_cross_entropy(
@@ -185,6 +207,46 @@ def _chunked_step(
         return (loss, *output)
     fields = {name: value for name, value in output.items() if name != "loss"}
     return type(output)(loss=loss, **fields)
+
+
+# What a forward may do to the logits its head returned and still have Transformers'
+# ForCausalLMLoss score them as the chunked loss does: views, copies and casts.
+_VIEWS_AND_CASTS = frozenset({
+    "AliasBackward", "AsStridedBackward", "CloneBackward", "ExpandBackward", "PermuteBackward",
+    "ReshapeAliasBackward", "SelectBackward", "SliceBackward", "SqueezeBackward",
+    "ToCopyBackward", "TransposeBackward", "UnsafeViewBackward", "UnsqueezeBackward",
+    "ViewBackward",
+})
+
+
+def _logits_changed(output: Any, returned: torch.Tensor) -> str | None:
+    """What the forward did to the (empty) logits its head ``returned`` before putting them in
+    ``output``, beyond views and casts (the autograd node, e.g. ``MulBackward0``: a scale);
+    None where nothing else.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.empty(2, 3, 0, requires_grad=True)
+        >>> _logits_changed({"logits": logits.float().view(2, 3, 0)}, logits) is None
+        True
+        >>> _logits_changed({"logits": logits * 0.5}, logits)
+        'MulBackward0'
+    """
+    logits = output[0] if isinstance(output, tuple) else output.get("logits")
+    if not isinstance(logits, torch.Tensor) or logits is returned or logits._base is returned:
+        return None
+    node = logits.grad_fn
+    while node is not None:
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return None if node.variable is returned else "another tensor"
+        if name.rstrip("0123456789") not in _VIEWS_AND_CASTS:
+            return name
+        inputs = [following for following, _ in node.next_functions if following is not None]
+        if len(inputs) != 1:
+            return name
+        node = inputs[0]
+    return "another tensor"
 
 
 def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str) -> Any:
