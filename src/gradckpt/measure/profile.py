@@ -27,9 +27,10 @@ and the RNG state are as they were before profiling.
 
 This module runs the steps in order and assembles the ``Profile``; the measuring itself is in
 its siblings: ``recording.py`` (each block's call in the step), ``timing.py`` (the step's and
-the blocks' times), ``step_memory.py`` (the step's memory, phase by phase), ``block.py`` (one
-block on its own; ``operations.py`` for its operations) and ``side_inputs.py`` (side inputs
-counted once for the chain).
+the blocks' times), ``step_memory.py`` (the step's memory, phase by phase), ``one_block.py``
+(one block on its own; ``operations.py`` for its operations) and ``side_inputs.py`` (side
+inputs counted once for the chain); ``step_phases.py`` reads the step's memory as the phases
+of the cost model.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch import nn
 from ..ecosystem_hooks import ecosystem_hooks_on
 from ..engine import first_tensor, heads_called, plans_suspended, storage_key
 from ..errors import UsageError
-from ..profile_types import MODELED_TIMES, BlockProfile, ChunkedHead, Profile
+from ..profile_types import MODELED_TIMES, BlockProfile, Profile
 from . import clock
 from .chain import chain_that_runs
 from .chain_checks import NoneOfTheBlocksRan
@@ -53,17 +54,17 @@ from .device import infer_device
 from .fingerprint import BLOCK_FINGERPRINTS, CHAIN_LENGTHS, chain_fingerprint
 from .given_blocks import resolve_blocks
 from .head_splice import head_replaced
-from .host_link import host_link_notes
 from .model_state import buffers_and_rng_preserved, gradients_preserved
 from .one_block import measure_block
-from .optimizer_step import OptimizerStep, check_optimizer, measure_optimizer_step
-from .output_head import HeadMeasurement, PlainHead, head_to_chunk, measure_chunked_head
+from .optimizer_step import check_optimizer, measure_optimizer_step
+from .output_head import PlainHead, head_to_chunk, measure_chunked_head
 from .recording import Recording, record_block_calls
 from .replay_check import replay_warnings
 from .side_inputs import with_side_inputs
 from .stand_ins import NotSpliceable, StandIns, splice
 from .step import OutputHolder, training_step
 from .step_memory import StepMemory
+from .step_phases import assemble, chunked_head, steady_state
 from .tensors import tensor_bytes, tensors_in
 from .timing import BlockForwardTimer, block_kind, median_seconds, pooled_times
 from .torch_checkpoints import torch_checkpoints_watched
@@ -394,14 +395,14 @@ def _measured(
     between = recording.gradients_made_after()
     # The first block's side inputs exist when the chain starts (masks, rotary cos/sin).
     first_side_bytes = sum(calls[0].side_storages(model_storages | sample_storages).values())
-    assembled = _assemble(
+    assembled = assemble(
         measured, memory, step_seconds, device, chain_breaks,
         sum(between[1:]) + output_held_bytes, _input_is_the_samples(recording, sample),
         previous_output_bytes, first_side_bytes,
     )
     accumulated = accumulated_gradient_bytes(model, accumulation_steps)
     buckets = ddp_bucket_bytes(model, ddp)
-    plain = _steady_state(assembled, memory, optimizer_step, accumulated, buckets, model,
+    plain = steady_state(assembled, memory, optimizer_step, accumulated, buckets, model,
                           sample, keep_output)
     plain.notes[BLOCK_FINGERPRINTS], plain.notes[CHAIN_LENGTHS] = fingerprint
     if modeled:
@@ -412,25 +413,14 @@ def _measured(
         plain.notes["chunked_head"] = head
         return plain
     for chunked in head:
-        step = _steady_state(
-            _assemble(measured, chunked.memory, step_seconds, device, chain_breaks,
+        step = steady_state(
+            assemble(measured, chunked.memory, step_seconds, device, chain_breaks,
                       sum(between[1:]) + output_held_bytes, plain.chain_input_fixed,
                       chunked.previous_output_bytes, first_side_bytes),
             chunked.memory, optimizer_step, accumulated, buckets, model, sample, keep_output,
         )
-        plain.chunked_heads.append(_chunked_head(chunked, step))
+        plain.chunked_heads.append(chunked_head(chunked, step))
     return plain
-
-
-def _chunked_head(head: HeadMeasurement, step: Profile) -> ChunkedHead:
-    """What a plan choosing the chunked head changes: its step's profile where it differs."""
-    return ChunkedHead(
-        name=head.name, chunks=head.chunks, head_bytes=step.head_bytes,
-        head_gradient_bytes=step.head_gradient_bytes, other_peak_bytes=step.other_peak_bytes,
-        optimizer_step_bytes=step.optimizer_step_bytes,
-        previous_output_bytes=step.previous_output_bytes, peak_bytes=step.peak_bytes,
-        extra_seconds=head.extra_seconds,
-    )
 
 
 def _input_is_the_samples(recording: Recording, sample: Any) -> bool:
@@ -455,84 +445,6 @@ def _progress_callback(progress: Any) -> Callable[[int, int], None]:
     return progress
 
 
-def _assemble(
-    blocks: list[BlockProfile], memory: StepMemory, step_seconds: float, device: torch.device,
-    chain_breaks: list[int], counted_by_blocks_bytes: int = 0, chain_input_fixed: bool = False,
-    previous_output_bytes: int = 0, first_side_bytes: int = 0,
-) -> Profile:
-    """The profile, with the step's phases expressed the way ``gradckpt.cost`` models them.
-    ``counted_by_blocks_bytes``: what is alive when the chain's backward ends that the blocks'
-    ``side_gradient_bytes`` count already, not the head's: gradients made inside the chain's
-    backward outside its blocks, and side inputs the step's output holds.
-    ``previous_output_bytes``: the previous step's output, alive at the start of the measured
-    step and let go when its forward returns: not fixed (the phases before that count it).
-    ``first_side_bytes``: the first block's side inputs, which exist when the chain starts and
-    its walk counts as the blocks' (``before_chain_bytes`` is the rest made before it)."""
-    fixed = memory.start - previous_output_bytes
-    measured = Profile(
-        blocks,
-        peak_bytes=memory.peak,
-        fixed_bytes=fixed,
-        step_seconds=step_seconds,
-        device=str(device),
-        other_peak_bytes=max(0, memory.highest["before"] - fixed, memory.highest["after"] - fixed),
-        chain_breaks=chain_breaks,
-        chain_input_fixed=chain_input_fixed,
-        previous_output_bytes=previous_output_bytes,
-    )
-    if memory.chain_forward_start:
-        measured.before_chain_bytes = max(0, memory.chain_forward_start - memory.start
-                                          - (0 if chain_input_fixed else blocks[0].input_bytes)
-                                          - first_side_bytes)
-    retained = measured.plain_retained_bytes()
-    measured.head_bytes = max(0, memory.highest["head"] - fixed - retained)
-    measured.head_gradient_bytes = _head_leftovers(
-        blocks, memory, fixed, retained, counted_by_blocks_bytes
-    )
-    measured.notes["chain_backward_start_bytes"] = memory.chain_backward_start
-    measured.notes.update(host_link_notes(device))
-    measured.notes["measured_phase_peaks"] = dict(memory.highest)
-    return measured
-
-
-def _steady_state(
-    measured: Profile, memory: StepMemory, optimizer_step: OptimizerStep | None,
-    accumulated_bytes: int, ddp_bytes: int, model: nn.Module, sample: Any, keep_output: bool,
-) -> Profile:
-    """The measured step as the loop's steady state: the optimizer's state, the gradients
-    earlier micro-batches hold and DDP's buckets (``ddp_bytes``), alive all step, and
-    ``optimizer.step()`` after backward (every gradient and the output the loop holds alive,
-    plus the optimizer's temporaries); with the notes that explanations of the plan read."""
-    state_bytes = optimizer_step.state_bytes if optimizer_step else 0
-    measured.optimizer_state_bytes = state_bytes
-    measured.accumulated_gradient_bytes = accumulated_bytes
-    if optimizer_step is not None:
-        after_backward = memory.end - (memory.start - measured.previous_output_bytes)
-        measured.optimizer_step_bytes = (max(0, after_backward - accumulated_bytes)
-                                         + optimizer_step.temporary_bytes)
-    held_all_step = state_bytes + accumulated_bytes + ddp_bytes
-    measured.fixed_bytes += held_all_step
-    measured.peak_bytes = max(memory.peak + held_all_step,
-                              measured.fixed_bytes + measured.optimizer_step_bytes)
-    parameters = list({id(p): p for p in model.parameters()}.values())
-    dtypes: dict[str, int] = {}
-    for parameter in parameters:
-        dtypes[str(parameter.dtype)] = dtypes.get(str(parameter.dtype), 0) + tensor_bytes(
-            parameter)
-    first = next(iter(tensors_in(sample)), None)
-    measured.notes.update(
-        keep_output=keep_output,
-        optimizer=optimizer_step.name if optimizer_step else None,
-        optimizer_temporaries_measured=optimizer_step.measured if optimizer_step else None,
-        parameter_dtypes=dtypes,
-        trainable_parameter_bytes=sum(tensor_bytes(p) for p in parameters if p.requires_grad),
-        batch_size=int(first.shape[0]) if first is not None and first.dim() else None,
-    )
-    if ddp_bytes:  # the memory parts name them (measure/memory_parts.py)
-        measured.notes["ddp_bucket_bytes"] = ddp_bytes
-    return measured
-
-
 def _distinct_bytes(tensors: list[torch.Tensor], excluded: set) -> int:
     """Bytes of the distinct storages among ``tensors``, leaving out those in ``excluded``."""
     sizes = {}
@@ -541,34 +453,6 @@ def _distinct_bytes(tensors: list[torch.Tensor], excluded: set) -> int:
         if key is not None and key not in excluded:
             sizes[key] = tensor.untyped_storage().nbytes()
     return sum(sizes.values())
-
-
-def _head_leftovers(
-    blocks: list[BlockProfile], memory: StepMemory, fixed: int, retained: int,
-    counted_by_blocks_bytes: int,
-) -> int:
-    """What stays allocated through the chain's backward besides the chain's own tensors: the
-    head's parameter gradients, what the part before the chain saved (its dropout mask), and
-    what the step's output holds (the logits, unless ``keep_output=False``).
-
-    Read when the chain's backward ends, less the blocks' gradients and the input's gradient:
-    at its start, scalars of the loss's backward still exist that die before any block runs.
-    Without that hook (a chain input that needs no gradient) the start is all there is.
-    The chain's input, where the modules before it saved it (a CNN stem's ReLU its output)
-    and the first block saves it too, is the chain's (the walk retains it with that block's
-    saved bytes): counted here as well, it came out one input too many through the whole
-    backward (RegNet, 1 MB: +14% on its plain step). What the part before the chain saved
-    and freed after the chain's backward started but before its end was read counts too
-    (``StepMemory.freed_before_end``): it was alive through every block's backward.
-    """
-    if memory.chain_backward_end:
-        input_counted = (blocks[0].input_bytes
-                         if memory.chain_input_alive_at_end and blocks[0].input_saved else 0)
-        made_by_chain = (sum(block.gradient_bytes for block in blocks) + blocks[0].input_bytes
-                         + input_counted + counted_by_blocks_bytes)
-        return max(0, memory.chain_backward_end - fixed - made_by_chain
-                   + memory.freed_before_end)
-    return max(0, memory.chain_backward_start - fixed - retained - blocks[-1].output_bytes)
 
 
 def _with_stand_ins(received: set[int] | None, stand_ins: StandIns | None) -> set[int] | None:
