@@ -87,9 +87,10 @@ class BlockProfile:
       checkpointed alone (its forward and its recomputation): its operations counted times
       this machine's cost per dispatched operation (``engine``'s
       ``dispatch_seconds_per_operation``); 0 for an estimate, whose device hides it.
-    - ``gradient_bytes``: the gradients of its trainable parameters. They appear during its
-      backward pass (inside ``backward_peak_bytes``) and stay until the step ends, so they weigh
-      on the backward of every block before it.
+    - ``gradient_bytes``: the gradients of its trainable parameters, and of the leaves its
+      forward makes that need one (a tensor made with ``requires_grad_()``, which the graph
+      holds). They appear during its backward pass (inside ``backward_peak_bytes``) and stay
+      until the step ends, so they weigh on the backward of every block before it.
     - ``policy_forward_peak_bytes``, ``policy_backward_peak_bytes``, ``policy_extra_seconds``:
       the block checkpointed on its own with ``policy="save-matmuls"``, measured: its forward's
       peak above its input (the kept outputs included), its backward's peak, recomputation

@@ -82,6 +82,7 @@ def measure_block(
 
     objects = _objects_passed(call)
     stored_before = _storages_held_by(objects)
+    graph_before = _graph_position()
     with MemoryMeter(device, block, *tensors_in((args, kwargs))) as memory:
         # Each pass's peak above what exists when it starts, frees of older tensors counted:
         # its forward's above its input; its backward's above what the forward saved and the
@@ -94,6 +95,8 @@ def measure_block(
         forward_peak = memory.peak() - start
         began = clock.now()
         chain_output = _block_output(output)
+        leaves = _leaves_made(chain_output, graph_before, parameter_storages | {
+            storage_key(t) for t in tensors_in((args, kwargs))})
         returned_bytes = _returned_bytes(
             output, chain_output, parameter_storages | {storage_key(t) for t in tensors_in(
                 (args, kwargs))})
@@ -111,12 +114,16 @@ def measure_block(
         # nothing else holds a block's output by then, so where its own graph saved it (a
         # ReLU's) it is freed as soon as that node has run. Held here, it was counted through
         # the whole backward: a hidden state too many on a CNN block (9.8% over the step).
-        backward = _backward_from_ones(chain_output, memory)
+        backward = _backward_from_ones(chain_output, memory, call.gradient_stride)
         del output, chain_output
         backward_peak = backward()
         readings.add("backward", began)
     input_saved = storage_key(hidden) in saved
     output_saved = output_key in saved
+    # Its backward's gradients that stay to the step's end: its parameters' and those of the
+    # leaves its forward made (``_leaves_made``).
+    gradient_bytes += sum(tensor_bytes(leaf.grad) for leaf in leaves if leaf.grad is not None)
+    del leaves
     saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
     block.zero_grad(set_to_none=True)
     if like is not None:
@@ -353,7 +360,7 @@ def _checkpointed_peaks(
         output = _block_output(block(*args, **kwargs))
         forward_peak = memory.peak() - start
         # Its output let go too: in a step, the next item has released it by then.
-        backward = _backward_from_ones(output, memory)
+        backward = _backward_from_ones(output, memory, call.gradient_stride)
         output_bytes, before = tensor_bytes(output), memory.current()
         del output
         kept_output = max(output_bytes - (before - memory.current()), 0)
@@ -392,14 +399,17 @@ def _planned_alone(block: nn.Module, policy: str | None, name: str) -> Iterator[
         handle.remove()
 
 
-def _backward_from_ones(output: torch.Tensor, memory: MemoryMeter) -> Callable[[], int]:
+def _backward_from_ones(
+    output: torch.Tensor, memory: MemoryMeter, stride: tuple[int, ...] | None = None
+) -> Callable[[], int]:
     """The backward from ``output`` with a gradient of ones, to run once the caller has let
     ``output`` go; it returns its peak above what existed when the gradient was made (the
     saved tensors and the gradient).
 
     The gradient is made inside the backward (``_OnesGradient``), as the step's is, and freed
     once the first node has used it: held by the caller, it was counted through the whole
-    backward (a RegNet block's peak, at its input's gradient, one output over the step's)."""
+    backward (a RegNet block's peak, at its input's gradient, one output over the step's).
+    ``stride``: the gradient laid out as the step gave it (``BlockCall.gradient_stride``)."""
     started: list[int] = []
 
     def gradient_made() -> None:
@@ -407,7 +417,7 @@ def _backward_from_ones(output: torch.Tensor, memory: MemoryMeter) -> Callable[[
         memory.reset_peak()
 
     with BOOKKEEPING:  # the stand-in's own operations are not the block's
-        seed = _OnesGradient.apply(output, gradient_made)
+        seed = _OnesGradient.apply(output, gradient_made, stride)
         one = torch.ones_like(seed)
     edge = torch.autograd.graph.get_gradient_edge(seed)
     del seed
@@ -425,17 +435,21 @@ class _OnesGradient(torch.autograd.Function):
     ``made`` once it exists."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, made: Callable[[], None]) -> torch.Tensor:
-        ctx.shape, ctx.made = output.shape, made
+    def forward(ctx: Any, output: torch.Tensor, made: Callable[[], None],
+                stride: tuple[int, ...] | None) -> torch.Tensor:
+        ctx.shape, ctx.made, ctx.stride = output.shape, made, stride
         return output.new_zeros(())
 
     @staticmethod
-    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
-        with BOOKKEEPING:
-            like = gradient.expand(ctx.shape)
-        ones = torch.ones_like(like)  # as a backward from ``ones_like`` is timed elsewhere
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.stride is not None:  # laid out as the step's (PVT's, through a permutation)
+            ones = gradient.new_empty_strided(ctx.shape, ctx.stride).fill_(1)
+        else:
+            with BOOKKEEPING:
+                like = gradient.expand(ctx.shape)
+            ones = torch.ones_like(like)  # as a backward from ``ones_like`` is timed elsewhere
         ctx.made()
-        return ones, None
+        return ones, None, None
 
 
 def _returned_bytes(output: Any, hidden: torch.Tensor, excluded: set) -> int:
@@ -468,3 +482,37 @@ def _block_output(output: Any) -> torch.Tensor:
     if tensor is None:
         raise UsageError("a block returned no tensor: it cannot be part of a chain")
     return tensor
+
+
+def _graph_position() -> int:
+    """The sequence number the next autograd node made in this thread will exceed: nodes
+    made after this call have a higher one."""
+    with BOOKKEEPING, torch.enable_grad():
+        return torch.zeros((), requires_grad=True).expand(1).grad_fn._sequence_nr()
+
+
+def _leaves_made(output: torch.Tensor, since: int, excluded: set) -> list[torch.Tensor]:
+    """The leaf tensors needing a gradient that the graph of ``output`` made after ``since``
+    (``_graph_position``) reaches, less parameters and those whose storage is in ``excluded``
+    (its own parameters and buffers, its arguments): tensors a block's forward creates with
+    ``requires_grad_()`` (MRA's attention without its CUDA kernel returns
+    ``torch.zeros_like(query).requires_grad_()``). The graph holds each until it is freed, and
+    backward gives each a gradient that stays as long: the step's end, like a parameter's."""
+    leaves: dict[int, torch.Tensor] = {}
+    seen: dict[int, Any] = {}  # holding each node, so that no two share an id
+    stack = [output.grad_fn] if output.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        for following, _ in node.next_functions:
+            if following is None or id(following) in seen:
+                continue
+            seen[id(following)] = following
+            variable = getattr(following, "variable", None)
+            if variable is not None:  # an AccumulateGrad: a leaf
+                # Another module's parameter (a weight shared with the block) is no leaf it made.
+                if (not isinstance(variable, nn.Parameter)
+                        and storage_key(variable) not in excluded):
+                    leaves[id(variable)] = variable
+            elif following._sequence_nr() > since:  # made by this forward
+                stack.append(following)
+    return list(leaves.values())

@@ -45,6 +45,9 @@ class BlockCall:
         # Trainer's bf16=True put it) a block's matmuls save half-size tensors: re-runs must
         # compute as the step did (``ambient``).
         self.autocast = AutocastSnapshot([self.leaves[i] for i in tensors])
+        # The strides of the gradient its output got in the step, where that was laid out
+        # otherwise than contiguously (``gradient_layout``); None: contiguous.
+        self.gradient_stride: tuple[int, ...] | None = None
 
     def ambient(self) -> Any:
         """A context in which the block computes as in the step: its autocast settings."""
@@ -194,12 +197,24 @@ def record_block_calls(
             return
         recorded_now.discard(index)
         hidden = recording.outputs[index] = first_tensor(output)
+        if hidden is not None and hidden.requires_grad:
+            handles.append(hidden.register_hook(functools.partial(
+                gradient_layout, recording.calls[index])))
         # Besides the hidden state, whose gradient the walk counts as the incoming one.
         recording.returned[index] = {
             storage_key(leaf) for leaf in tree_flatten(output)[0]
             if isinstance(leaf, torch.Tensor) and leaf is not hidden
             and (hidden is None or storage_key(leaf) != storage_key(hidden))
         }
+
+    handles: list[Any] = []
+
+    def gradient_layout(call: BlockCall, gradient: torch.Tensor) -> None:
+        # A gradient coming through a permutation (PVT's stage boundary, a transposed
+        # hidden state) is laid out as that left it: the block's backward copies it where it
+        # needs it contiguous, one output more than from a contiguous one.
+        if not gradient.is_contiguous() and _dense(gradient):
+            call.gradient_stride = tuple(gradient.stride())
 
     def saved_between(tensor: torch.Tensor) -> torch.Tensor:
         if recording.running == 0 and recording.last_ended is not None:
@@ -237,7 +252,7 @@ def record_block_calls(
         with _said_to_be_the_samples(model):
             loss.backward()
     finally:
-        for hook in hooks:
+        for hook in hooks + handles:
             hook.remove()
     # A whole stack that did not run (a vision tower given text) is left out of ``order``; a
     # stack that ran partly is refused, and so are lists run interleaved that are no chain
@@ -307,3 +322,18 @@ def _said_to_be_the_samples(model: nn.Module) -> Iterator[None]:
             "with shapes and dtypes it accepts, and, for the loss, labels or loss_fn="
         ) from error
 
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory of its size, each once, in some
+    order of its dimensions (a permuted contiguous tensor): a tensor of its shape made with its
+    strides takes its bytes."""
+    span = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True),
+                               key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != span:
+            return False
+        span *= size
+    return True
