@@ -98,7 +98,26 @@ CASES = {
     # Attention dropout (the math path on a GPU target), the loop dropping its output.
     "gpt2": lambda: (hf_model("gpt2", n_layer=6), _meta_batch(),
                      {"device": "a100-80gb", "keep_output": False}),
+    # A stem whose ReLU saves the chain's input, alive past the chain's backward.
+    "cnn stem": lambda: (_StemmedCNN(), torch.empty(2, 3, 16, 16, device="meta"),
+                         {"device": "this", "loss_fn": lambda out: out.square().mean()}),
 }
+
+
+class _StemmedCNN(nn.Module):
+    def __init__(self, width: int = 8, layers: int = 7) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU())
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.ReLU())
+            for _ in range(layers))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        hidden = self.stem(images)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden.mean((2, 3)))
 
 
 @pytest.mark.slow

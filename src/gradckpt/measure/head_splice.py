@@ -66,6 +66,7 @@ def head_replaced(plain: StepMemory, run: StepMemory) -> tuple[StepMemory, float
     operations_change = gradient.operations - replaced.operations
 
     whole = StepMemory(plain.first, plain.last, plain.device, marked=plain.marked)
+    whole.keep_before_chain(plain)
     whole.marks = [
         *(_shifted(mark, start_change) for mark in plain.marks[:plain_head + 1]),
         gradient,

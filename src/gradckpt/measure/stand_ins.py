@@ -204,6 +204,7 @@ def splice(memory: StepMemory, kept: int, count: int) -> tuple[StepMemory, float
     added = count - kept
     forward_at, backward_at = at["forward", kept - 1], at["backward", kept - 1]
     whole = StepMemory(memory.first, memory.last, memory.device)
+    whole.keep_before_chain(memory)
     for index, mark in enumerate(marks):
         shift = (0 if index <= forward_at else added * forward_bytes if index <= backward_at
                  else added * (forward_bytes + backward_bytes))

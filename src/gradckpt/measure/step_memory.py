@@ -162,6 +162,13 @@ class StepMemory:
         if hidden is not None and hidden.requires_grad:
             hidden.register_hook(self._chain_backward_starts)
 
+    def keep_before_chain(self, measured: StepMemory) -> None:
+        """Take from ``measured`` what the part before the chain left alive through the chain's
+        backward (``chain_input_alive_at_end``, ``freed_before_end``): a step put together from
+        ``measured`` (more blocks standing in, another head spliced in) changes neither."""
+        self.chain_input_alive_at_end = measured.chain_input_alive_at_end
+        self.freed_before_end = measured.freed_before_end
+
     def _chain_backward_starts(self, gradient: torch.Tensor) -> None:
         self._enter("backward")
         assert self._memory is not None
