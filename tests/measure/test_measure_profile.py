@@ -105,6 +105,17 @@ def test_blocks_of_different_kinds_keep_their_own_ratios() -> None:
     assert [b.policy_extra_seconds for b in pooled] == [1.0, 1.0, 0.0]
 
 
+def test_a_recomputation_timed_at_nothing_reads_as_the_forward_it_reruns() -> None:
+    # Most rounds' checkpointed backward no slower than the plain one: noise outweighed the
+    # recomputation (a loaded machine), whose cost is then read as the block's forward.
+    ratios = TimeRatios.of(forward=[2.0, 2.0, 2.0], backward=[4.0, 4.0, 4.0],
+                           checkpointed=[3.5, 4.0, 6.0], policy=[4.0, 4.0, 4.0])
+    assert ratios.median("checkpointed") == 1.0
+    assert ratios.median("policy") == 0.0  # an op choice may well recompute next to nothing
+    blocks = [BlockProfile("h.0", 1, 1, 1, True, 2.0, 0.0)]
+    assert pooled_times(blocks, [ratios], ["one"])[0].recompute_seconds() == 2.0
+
+
 LAYOUTS = {
     "every-layer": [Segment(i, i) for i in range(CONFIG.n_layer)],
     "pairs": [Segment(0, 1), Segment(2, 3), Segment(4, 5)],
