@@ -25,6 +25,7 @@ from ..errors import UsageError
 from ..op_choices import menu_of
 from ..profile_types import PLANNED_POLICY, BlockProfile, OpChoice
 from . import clock
+from .block_leaves import graph_position, leaves_made
 from .clock import BOOKKEEPING
 from .meter import MemoryMeter, trackable
 from .operations import MENU_TIMING_RUNS, operations_of
@@ -82,7 +83,7 @@ def measure_block(
 
     objects = _objects_passed(call)
     stored_before = _storages_held_by(objects)
-    graph_before = _graph_position()
+    graph_before = graph_position()
     with MemoryMeter(device, block, *tensors_in((args, kwargs))) as memory:
         # Each pass's peak above what exists when it starts, frees of older tensors counted:
         # its forward's above its input; its backward's above what the forward saved and the
@@ -95,7 +96,7 @@ def measure_block(
         forward_peak = memory.peak() - start
         began = clock.now()
         chain_output = _block_output(output)
-        leaves = _leaves_made(chain_output, graph_before, parameter_storages | {
+        leaves = leaves_made(chain_output, graph_before, parameter_storages | {
             storage_key(t) for t in tensors_in((args, kwargs))})
         returned_bytes = _returned_bytes(
             output, chain_output, parameter_storages | {storage_key(t) for t in tensors_in(
@@ -121,7 +122,7 @@ def measure_block(
     input_saved = storage_key(hidden) in saved
     output_saved = output_key in saved
     # Its backward's gradients that stay to the step's end: its parameters' and those of the
-    # leaves its forward made (``_leaves_made``).
+    # leaves its forward made (``leaves_made``).
     gradient_bytes += sum(tensor_bytes(leaf.grad) for leaf in leaves if leaf.grad is not None)
     del leaves
     saved_sides = {key: saved.pop(key) for key in list(saved) if key in side_inputs}
@@ -482,37 +483,3 @@ def _block_output(output: Any) -> torch.Tensor:
     if tensor is None:
         raise UsageError("a block returned no tensor: it cannot be part of a chain")
     return tensor
-
-
-def _graph_position() -> int:
-    """The sequence number the next autograd node made in this thread will exceed: nodes
-    made after this call have a higher one."""
-    with BOOKKEEPING, torch.enable_grad():
-        return torch.zeros((), requires_grad=True).expand(1).grad_fn._sequence_nr()
-
-
-def _leaves_made(output: torch.Tensor, since: int, excluded: set) -> list[torch.Tensor]:
-    """The leaf tensors needing a gradient that the graph of ``output`` made after ``since``
-    (``_graph_position``) reaches, less parameters and those whose storage is in ``excluded``
-    (its own parameters and buffers, its arguments): tensors a block's forward creates with
-    ``requires_grad_()`` (MRA's attention without its CUDA kernel returns
-    ``torch.zeros_like(query).requires_grad_()``). The graph holds each until it is freed, and
-    backward gives each a gradient that stays as long: the step's end, like a parameter's."""
-    leaves: dict[int, torch.Tensor] = {}
-    seen: dict[int, Any] = {}  # holding each node, so that no two share an id
-    stack = [output.grad_fn] if output.grad_fn is not None else []
-    while stack:
-        node = stack.pop()
-        for following, _ in node.next_functions:
-            if following is None or id(following) in seen:
-                continue
-            seen[id(following)] = following
-            variable = getattr(following, "variable", None)
-            if variable is not None:  # an AccumulateGrad: a leaf
-                # Another module's parameter (a weight shared with the block) is no leaf it made.
-                if (not isinstance(variable, nn.Parameter)
-                        and storage_key(variable) not in excluded):
-                    leaves[id(variable)] = variable
-            elif following._sequence_nr() > since:  # made by this forward
-                stack.append(following)
-    return list(leaves.values())
