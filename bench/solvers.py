@@ -23,7 +23,7 @@ from _common import format_table
 
 from gradckpt.cost import simulate
 from gradckpt.profile_types import BlockProfile, Profile
-from gradckpt.solvers import BUDGET_DRIVEN, solve
+from gradckpt.solvers import BUDGET_DRIVEN, solve, table_resolution
 from gradckpt.solvers import optimal as optimal_solver
 
 MIB = 1 << 20
@@ -105,12 +105,12 @@ def rounding_cost(lengths: list[int]) -> tuple[str, float]:
         for kind, profile in (("uniform", uniform_chain(n)), ("random", random_chain(n))):
             for label, budget in budgets(profile).items():
                 default = solve(profile, budget, "optimal")
-                saved = optimal_solver._TABLE_CELLS, optimal_solver._MAX_LEVELS
-                optimal_solver._TABLE_CELLS, optimal_solver._MAX_LEVELS = 4 * saved[0], 8000
+                saved = table_resolution._TABLE_CELLS, table_resolution._MAX_LEVELS
+                table_resolution._TABLE_CELLS, table_resolution._MAX_LEVELS = 4 * saved[0], 8000
                 try:
                     finer = solve(profile, budget, "optimal")
                 finally:
-                    optimal_solver._TABLE_CELLS, optimal_solver._MAX_LEVELS = saved
+                    table_resolution._TABLE_CELLS, table_resolution._MAX_LEVELS = saved
                 levels = optimal_solver.levels_for(n)
                 worst = max(worst, default.predicted_overhead - finer.predicted_overhead)
                 rows.append([

@@ -21,7 +21,7 @@ from gradckpt.cost import simulate
 from gradckpt.plan import Segment
 from gradckpt.profile_types import Profile
 from gradckpt.solvers import optimal as optimal_solver
-from gradckpt.solvers import solve
+from gradckpt.solvers import solve, table_resolution
 from gradckpt.solvers.optimal import memory_unit_bytes, minimum_peak_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
@@ -99,8 +99,8 @@ def test_reading_above_the_room_finds_plans_rounding_hides(monkeypatch) -> None:
     # With coarse units (40 levels), a plan that fits in bytes but not in rounded units is
     # found in the headroom above the room: never slower than the table filled for the room
     # alone, and faster somewhere.
-    monkeypatch.setattr(optimal_solver, "_MAX_LEVELS", 40)
-    monkeypatch.setattr(optimal_solver, "_MIN_LEVELS", 10)
+    monkeypatch.setattr(table_resolution, "_MAX_LEVELS", 40)
+    monkeypatch.setattr(table_resolution, "_MIN_LEVELS", 10)
     faster = 0
     for seed in range(10):
         profile = scaled(random_profile(5000 + seed, 6))

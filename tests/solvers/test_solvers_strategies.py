@@ -16,7 +16,7 @@ from gradckpt.budget import format_bytes
 from gradckpt.cost import simulate
 from gradckpt.plan import Segment
 from gradckpt.profile_types import BlockProfile, Profile
-from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES, solve
+from gradckpt.solvers import BUDGET_DRIVEN, STRATEGIES, solve, table_resolution, time_tables
 from gradckpt.solvers import optimal as optimal_solver
 from gradckpt.solvers.chen_greedy import candidate_plans
 from gradckpt.solvers.chen_greedy import minimum_peak_bytes as greedy_minimum_peak_bytes
@@ -516,8 +516,6 @@ def test_rounded_memory_is_as_fast_as_the_exact_optimum_with_a_little_less_room(
     """Sizes rounded up to units: every plan whose exact peak leaves (2n + 1) units spare is
     still seen (each of a peak's at most 2n + 1 terms gains under a unit), so the rounded
     answer is at least as fast as the exact optimum for that smaller room."""
-    from gradckpt.solvers import optimal
-
     n = 24
     for seed in range(3):
         profile = random_profile(800 + seed, n)
@@ -526,8 +524,8 @@ def test_rounded_memory_is_as_fast_as_the_exact_optimum_with_a_little_less_room(
         room = budget - FIXED_BYTES
         assert memory_unit_bytes(profile, room) == 1
         with monkeypatch.context() as patch:
-            patch.setattr(optimal, "_MAX_LEVELS", 100)
-            patch.setattr(optimal, "_MIN_LEVELS", 10)
+            patch.setattr(table_resolution, "_MAX_LEVELS", 100)
+            patch.setattr(table_resolution, "_MIN_LEVELS", 10)
             unit = memory_unit_bytes(profile, room)
             coarse = solve_optimal(profile, budget)
         assert unit > 1
@@ -551,7 +549,7 @@ def test_optimal_fills_its_tables_the_same_a_few_columns_at_a_time(seed, monkeyp
     profile = with_peak(profile)
     budgets = budgets_for(profile)
     wide = [solve(profile, budget, "optimal") for budget in budgets[1:]]
-    monkeypatch.setattr(optimal_solver, "_GRAIN", 1)  # one column per chunk
+    monkeypatch.setattr(time_tables, "_GRAIN", 1)  # one column per chunk
     narrow = [solve(profile, budget, "optimal") for budget in budgets[1:]]
     assert [plan.segments for plan in narrow] == [plan.segments for plan in wide]
 
