@@ -30,7 +30,7 @@ from .clock import BOOKKEEPING
 from .meter import MemoryMeter, trackable
 from .operations import MENU_TIMING_RUNS, operations_of
 from .recording import BlockCall
-from .tensors import is_passed_object, tensor_bytes, tensors_in
+from .tensors import is_passed_object, saved_apart, tensor_bytes, tensors_in
 from .timing import TimeRatios, interleaved_seconds, median_seconds
 
 __all__ = ["MIN_OFFERED_SHARE", "measure_block"]
@@ -79,7 +79,7 @@ def measure_block(
         key = storage_key(tensor)
         if key not in parameter_storages:
             saved[key] = tensor.untyped_storage().nbytes()
-        return tensor
+        return saved_apart(tensor)
 
     objects = _objects_passed(call)
     stored_before = _storages_held_by(objects)

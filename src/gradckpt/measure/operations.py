@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..engine import asks_policy, first_tensor, is_matmul_or_attention, storage_key
 from . import clock
 from .recording import BlockCall
-from .tensors import tensor_bytes
+from .tensors import saved_apart, tensor_bytes
 
 __all__ = ["MENU_TIMING_MIN_RUNS", "MENU_TIMING_RUNS", "MENU_TIMING_SECONDS", "Operations",
            "operations_of"]
@@ -129,7 +129,7 @@ def operations_of(
     def remember(tensor: torch.Tensor) -> torch.Tensor:
         if storage_key(tensor) not in excluded:
             saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
-        return tensor
+        return saved_apart(tensor)
 
     # With grad, as in training: kernels can differ without it.
     with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t), _OpTimer() as timer:

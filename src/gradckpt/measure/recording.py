@@ -23,7 +23,7 @@ from ..errors import GradckptError, UsageError
 from . import clock
 from .chain_checks import NoneOfTheBlocksRan, blocks_not_run, check_not_interleaved
 from .step import OutputHolder, loss_of, run_model
-from .tensors import tensor_bytes, tensors_in
+from .tensors import saved_apart, tensor_bytes, tensors_in
 
 __all__ = ["BlockCall", "Recording", "record_block_calls"]
 
@@ -220,7 +220,7 @@ def record_block_calls(
         if recording.running == 0 and recording.last_ended is not None:
             saved = recording.saved_after.setdefault(recording.last_ended, {})
             saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
-        return tensor
+        return saved_apart(tensor)
 
     hooks = [
         hook

@@ -59,7 +59,7 @@ from ..errors import GradckptError
 from . import clock
 from .recording import BlockCall
 from .step_memory import StepMemory
-from .tensors import returns_tensor
+from .tensors import returns_tensor, saved_apart
 
 __all__ = ["KEPT", "NotSpliceable", "StandIns", "splice"]
 
@@ -291,7 +291,7 @@ class _Signature(TorchDispatchMode):
 
     def saved(self, tensor: torch.Tensor) -> torch.Tensor:
         self.events.append(("saved", self._describe(tensor)))
-        return tensor
+        return saved_apart(tensor)
 
     def _describe(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["returns_tensor", "tensor_bytes", "tensors_in"]
+__all__ = ["returns_tensor", "saved_apart", "tensor_bytes", "tensors_in"]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -19,6 +20,29 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
         24
     """
     return tensor.numel() * tensor.element_size()
+
+
+def saved_apart(tensor: torch.Tensor) -> torch.Tensor:
+    """What a measuring pack hook (``saved_tensors_hooks``) hands autograd to keep: the tensor
+    detached, its storage the same.
+
+    Handed back as it came, a tensor its own node saves (``exp``'s output) would hold that
+    node, and the node it: a cycle no collector sees, so a graph that backward never runs
+    through (a side computation the loss does not use, a reversible layer's recomputation)
+    would keep its tensors for good, and every later reading would count them. Detached
+    outside the dispatch modes measuring the step (meters, timers, a fake mode), which would
+    count the ``detach`` as one of the step's operations.
+
+    Example:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> with torch.autograd.graph.saved_tensors_hooks(saved_apart, lambda t: t):
+        ...     y = x.exp()
+        >>> y.sum().backward()
+        >>> x.grad.equal(y.detach())
+        True
+    """
+    with _disable_current_modes():
+        return tensor.detach()
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
