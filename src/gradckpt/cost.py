@@ -31,7 +31,11 @@ The model, per block i with input x_i, output x_(i+1) and saved bytes s_i (``Blo
   rest; a one-block segment's backward peak under the policy is measured too
   (``policy_backward_peak_bytes``, ``BlockProfile.op_choices``; its time from measured ones,
   ``gradckpt.op_choices.policy_cost``), a longer one is walked as above with each block's
-  kept outputs counted from its first forward on (an upper bound);
+  kept outputs counted from its first forward on (an upper bound), and not again in the
+  forward peaks of its recomputation, which reuses them. A block's own output the policy keeps
+  (``output_kept_bytes``: a ReLU's) counts with them from the first forward to the
+  recomputation, except where the next top-level item retains it already (a segment, or a
+  kept block saving its input);
 - side inputs (``side_bytes``: an encoder output the decoder blocks save) are retained by the
   top-level item holding the block they are counted in, from its forward to its backward,
   whatever the plan; so are those no block saves (``held_side_bytes``: T5's position bias),
@@ -58,11 +62,11 @@ from .errors import UsageError
 from .measure.fingerprint import BLOCK_FINGERPRINTS, CHAIN_LENGTHS
 from .op_choices import HOST_LINK, kept_by_policy, offload_offer, policy_cost
 from .plan import BlockBytes, Plan, Segment
-from .profile_types import Profile
+from .profile_types import BlockProfile, Profile
 
 __all__ = [
     "simulate", "phase_peaks", "plan_for", "as_chunked", "as_planned", "gradients_after",
-    "side_inputs_held",
+    "side_inputs_held", "output_kept_bytes",
 ]
 
 
@@ -249,6 +253,21 @@ def returned_alive(profile: Profile) -> list[int]:
     ]
 
 
+def output_kept_bytes(block: BlockProfile, policy: str) -> int:
+    """Of the outputs ``policy`` keeps of ``block`` checkpointed, its own output's bytes
+    (``OpChoice.output_kept_bytes``, measured with the choice; 0 where not measured).
+
+    Example:
+        >>> from gradckpt.profile_types import OpChoice, example_block
+        >>> block = example_block(op_choices=[OpChoice("save-ops:aten.relu", 0, 0.1, 20, 30, 10)])
+        >>> output_kept_bytes(block, "save-ops:aten.relu"), output_kept_bytes(block, "save-matmuls")
+        (10, 0)
+    """
+    name = policy_cost(block, policy).policy
+    return next((choice.output_kept_bytes for choice in block.op_choices
+                 if choice.policy == name), 0)
+
+
 def _items(segments: list[Segment], start: int, end: int) -> list[int | Segment]:
     """Blocks start..end in order, with each segment standing for its blocks."""
     by_start = {segment.start: segment for segment in segments}
@@ -302,6 +321,20 @@ class _Walk:
         self.host_link = profile.notes.get(HOST_LINK)
         self.returned = returned_alive(profile)
         self.extra_seconds = 0.0
+        # Per segment under an op-level choice (by id), the blocks' own outputs its policy
+        # keeps that nothing else retains: counted from its first forward to its backward.
+        self.outputs_kept: dict[int, dict[int, int]] = {}
+
+    def _outputs_kept(self, segment: Segment, next_item: int | Segment | None) -> dict[int, int]:
+        """Per block of ``segment`` its policy governs, its own output the policy keeps where
+        nothing else retains it: inside the segment, the next block saves nothing in the first
+        forward; after its last, ``next_item`` retains it if a segment (its input) or a kept
+        block saving its input."""
+        held_after = isinstance(next_item, Segment) or (
+            next_item is not None and self.blocks[next_item].input_saved)
+        kept = {j: output_kept_bytes(self.blocks[j], segment.policy)
+                for j in _policy_blocks(segment) if j < segment.end or not held_after}
+        return {j: nbytes for j, nbytes in kept.items() if nbytes}
 
     def forward(
         self, items: list[int | Segment], retained: int, input_retained: bool, alive: int,
@@ -319,21 +352,31 @@ class _Walk:
         # What the block before returned besides its hidden state is held by the model's
         # loop while the next block runs; nothing else holds it where it was checkpointed.
         after_checkpointed = False
-        for item in items:
+        for position, item in enumerate(items):
             if isinstance(item, Segment):
                 block = self.blocks[item.start]
                 added = 0 if input_retained else block.input_bytes
                 if top:  # the segment keeps its blocks' other inputs from its start on
                     added += sum(self.side[j] for j in item.blocks())
+                # What the policy keeps of each block, counted from that block's forward on.
+                kept: dict[int, int] = {}
+                outputs: dict[int, int] = {}
                 if item.policy is not None:
-                    added += sum(policy_cost(self.blocks[j], item.policy, self.host_link)
-                                 .kept_bytes for j in _policy_blocks(item))
-                retained += added
+                    following = items[position + 1] if position + 1 < len(items) else None
+                    outputs = self.outputs_kept[id(item)] = self._outputs_kept(item, following)
+                    kept = {j: policy_cost(self.blocks[j], item.policy, self.host_link)
+                            .kept_bytes + outputs.get(j, 0) for j in _policy_blocks(item)}
+                before = retained + added
+                retained = before + sum(kept.values())
                 for j in item.blocks():
-                    hidden = 0 if j == item.start else self.blocks[j].input_bytes
+                    # Its input, unless the policy keeps it as the block before's output.
+                    hidden = 0 if j == item.start or outputs.get(j - 1) else (
+                        self.blocks[j].input_bytes)
                     returned = self.returned[j] if after_checkpointed or j > item.start else 0
-                    peak = max(peak, alive + retained + hidden + returned
+                    peak = max(peak, alive + before + hidden + returned
                                + _segment_transient(self.blocks, item, j, self.host_link))
+                    before += kept.get(j, 0)
+                added += sum(kept.values())
                 after_checkpointed = True
             else:
                 block = self.blocks[item]
@@ -342,8 +385,10 @@ class _Walk:
                 added = block.saved_bytes + side
                 # Side inputs exist before the block runs, its own peak comes on top.
                 returned = self.returned[item] if after_checkpointed else 0
-                peak = max(peak, alive + retained + hidden + block.forward_peak_bytes + side
-                           + returned)
+                # Recomputed under a policy, its kept outputs are reused, not made again.
+                reused = kept_by_policy.get(item, 0) if kept_by_policy else 0
+                peak = max(peak, alive + retained + hidden + side + returned
+                           + max(block.forward_peak_bytes - reused, 0))
                 after_checkpointed = False
                 if input_retained and block.input_saved:
                     added -= block.input_bytes  # the same tensor, retained already
@@ -378,15 +423,19 @@ class _Walk:
                 # 4.6% above the one-block measurement): walked as that, not as measured.
                 measured = (_measured_backward_peak(self.blocks, item, self.host_link)
                             if item.end != segment_end else None)
+                outputs = self.outputs_kept.get(id(item), {})
                 if measured is not None:
-                    # Exactly what profile ran: this block checkpointed alone.
+                    # Exactly what profile ran: this block checkpointed alone (its kept
+                    # output in its peak, retained here already where counted).
                     peak = max(peak, retained + gradient + self.gradients_after[item.end]
-                               + measured)
+                               + measured - sum(outputs.values()))
                     retained -= added
                     continue
+                # A kept output that its block's graph saves is retained already.
                 inner_retained, inner_forward_peak, inner_added = self.forward(
                     inner_items, retained, True, gradient + self.gradients_after[item.end],
-                    {j: cost.kept_bytes for j, cost in policies.items()},
+                    {j: cost.kept_bytes + (outputs.get(j, 0) if self.blocks[j].output_saved
+                                           else 0) for j, cost in policies.items()},
                 )
                 inner_backward_peak, _ = self.backward(inner_items, inner_added, inner_retained,
                                                        segment_end=item.end)
@@ -402,13 +451,16 @@ class _Walk:
 def _segment_transient(
     blocks: list, segment: Segment, j: int, host_link: float | None
 ) -> int:
-    """The most block j holds above its input while segment's first forward runs it."""
+    """The most block j holds above its input while segment's first forward runs it, what
+    the policy keeps of it included."""
     block = blocks[j]
     if segment.policy is None:
         return block.segment_forward_peak_bytes()  # saves nothing
-    if _measured_backward_peak(blocks, segment, host_link) is not None:
-        return policy_cost(block, segment.policy, host_link).transient_bytes
-    return block.forward_peak_bytes  # a longer policy segment: bounded
+    if j in _policy_blocks(segment):
+        cost = policy_cost(block, segment.policy, host_link)
+        if cost.backward_peak_bytes is not None:  # measured, checkpointed alone under it
+            return cost.transient_bytes + cost.kept_bytes
+    return block.forward_peak_bytes  # bounded: the plain forward saves more
 
 
 def _measured_backward_peak(

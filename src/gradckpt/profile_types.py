@@ -46,7 +46,12 @@ class OpChoice:
     - ``forward_share``: the share of its forward time that the kept operations take, which
       recomputation saves (``gradckpt.op_choices`` turns it into seconds).
     - ``forward_peak_bytes``, ``backward_peak_bytes``: as ``BlockProfile``'s
-      ``policy_forward_peak_bytes`` and ``policy_backward_peak_bytes`` for this policy.
+      ``policy_forward_peak_bytes`` and ``policy_backward_peak_bytes`` for this policy (the
+      backward's with ``output_kept_bytes`` in it).
+    - ``output_kept_bytes``: the block's own output, where the policy keeps it (its last
+      operation's: a ReLU's), which ``kept_bytes`` leaves to the next item; where that item
+      saves nothing of it (a pooling), the policy's cache alone holds it until the
+      recomputation (``gradckpt.cost`` counts it there).
     """
 
     policy: str
@@ -54,6 +59,7 @@ class OpChoice:
     forward_share: float
     forward_peak_bytes: int
     backward_peak_bytes: int
+    output_kept_bytes: int = 0
 
 
 @dataclass

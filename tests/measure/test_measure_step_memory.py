@@ -23,18 +23,12 @@ read by ``profile``), on two architectures built tiny from their configs as
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
+from plan_peaks import predicted_and_measured
 
-import gradckpt
-from gradckpt.cost import plan_for
-from gradckpt.integrations.hf import turn_caches_off
 from gradckpt.integrations.hf_families import family
 from gradckpt.plan import Segment
-from gradckpt.side_by_side import compare_plans
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 transformers = pytest.importorskip("transformers")
@@ -66,29 +60,6 @@ def tiny_regnet() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     pixels = torch.randn(BATCH, 3, 128, 128, generator=generator)
     labels = torch.randint(0, config.num_labels, (BATCH,), generator=generator)
     return model, {"pixel_values": pixels, "labels": labels}
-
-
-def predicted_and_measured(
-    model: torch.nn.Module, batch: Any, plans: dict[str, list[Segment]],
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-) -> dict[str, tuple[int, int]]:
-    """Per plan, its predicted and measured peak, the gradients checked bit for bit; the
-    op-level choices the plans name are among those ``profile`` measured."""
-    turn_caches_off(model)
-    profile = gradckpt.profile(model, batch, loss_fn, optimizer="adamw", repeats=1)
-    for segments in plans.values():
-        for segment in segments:
-            if segment.policy is not None:
-                measured = [c.policy for c in profile.blocks[segment.start].op_choices]
-                assert segment.policy in measured, (segment, measured)
-    chosen = {label: plan_for(profile, label, None, segments)
-              for label, segments in plans.items()}
-    result = compare_plans(model, batch, {"plain": None, **chosen}, loss_fn=loss_fn,
-                           optimizer=torch.optim.AdamW(model.parameters()), rounds=0)
-    for label in chosen:
-        assert result.identical(label), f"{label}: gradients differ from the plain model's"
-    return {label: (plan.predicted_peak_bytes, result.peak_bytes[label])
-            for label, plan in chosen.items()}
 
 
 def test_regnet_chain_input_saved_before_the_chain_is_counted_once() -> None:

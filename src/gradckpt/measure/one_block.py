@@ -249,9 +249,11 @@ def _measured_op_choices(
     agreed = replace(measured, forward_seconds_by_op=by_op)
     for operations, kept_bytes, share in menu_of(agreed):
         policy = save_ops_policy_name(operations)
+        output_kept: list[int] = []
         (forward_peak, backward_peak), _ = _checkpointed_peaks(
-            block, call, device, policy, measured.name, kept_output_counted=True)
-        choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak))
+            block, call, device, policy, measured.name, output_kept)
+        choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak,
+                                *output_kept))
     return choices
 
 
@@ -329,15 +331,16 @@ class _Readings:
 
 def _checkpointed_peaks(
     block: nn.Module, call: BlockCall, device: torch.device, policy: str | None, name: str,
-    kept_output_counted: bool = False,
+    output_kept: list[int] | None = None,
 ) -> tuple[tuple[int, int], Any]:
     """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
     segment: its forward's peak above its input, and its backward's peak (the recomputation
     included) above what exists when that starts; and the seconds of the whole run (its
     arguments' fresh copy, forward and backward: what ``_checkpointed_step`` times).
 
-    ``kept_output_counted``: the output, where the policy keeps it (a ReLU's, the last
-    operation's), counts in the backward's peak rather than in what exists at its start. An
+    ``output_kept``: where given, the output, where the policy keeps it (a ReLU's, the last
+    operation's), counts in the backward's peak rather than in what exists at its start, and
+    its bytes are appended to the list (``OpChoice.output_kept_bytes``). An
     op-level choice's kept bytes leave it out (``operations_of``: the next item retains it),
     but in a step that item has run its backward and let it go by the time this block's
     starts, while the policy holds it until the recomputation: left out of both, a CNN
@@ -365,7 +368,9 @@ def _checkpointed_peaks(
         output_bytes, before = tensor_bytes(output), memory.current()
         del output
         kept_output = max(output_bytes - (before - memory.current()), 0)
-        backward_peak = backward() + (kept_output if kept_output_counted else 0)
+        backward_peak = backward() + (kept_output if output_kept is not None else 0)
+        if output_kept is not None:
+            output_kept.append(kept_output)
         readings.add("run", readings.started)
         del args, kwargs
     block.zero_grad(set_to_none=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..cost import gradients_after, returned_alive, side_inputs_held
+from ..cost import gradients_after, output_kept_bytes, returned_alive, side_inputs_held
 from ..op_choices import offload_offer, offloading, policy_cost
 from ..profile_types import PLANNED_POLICY, BlockProfile, Profile
 from .timing_noise import TIME_NOISE_NOTE, merged_within_band
@@ -179,9 +179,14 @@ class ChainCosts:
                 choice.policy]
             for policy in policies:
                 cost = policy_cost(block, policy, self.host_link)
-                menu.append(MenuOption(cost.policy, cost.kept_bytes, cost.extra_seconds,
-                                       self.alive[s] + (cost.backward_peak_bytes or 0),
-                                       cost.transient_bytes + self.returned[s]))
+                # Its own output the policy keeps, unless the next block saves it as its
+                # input (a segment there retains it too: counted twice, the safe side).
+                output = (0 if s + 1 < self.n and self.blocks[s + 1].input_saved
+                          else output_kept_bytes(block, policy))
+                menu.append(MenuOption(
+                    cost.policy, cost.kept_bytes + output, cost.extra_seconds,
+                    self.alive[s] + max((cost.backward_peak_bytes or 0) - output, 0),
+                    max(cost.transient_bytes - output, 0) + self.returned[s]))
         if self.time_noise_band:  # settled times (solve): options within the noise cost the
             # same, and the first in this order wins their tie (timing_noise.py), not the noise
             seconds = merged_within_band([option.extra_seconds for option in menu],
@@ -293,10 +298,11 @@ class ChainCosts:
             matmul_bytes += block.matmul_bytes
             policy_seconds += block.policy_recompute_seconds()
             # Recomputed under the policy, every block is kept, minus its already kept matmuls
-            # (and its input, when the block before kept it as its saved output).
+            # (and its input, when the block before kept it as its saved output); its forward
+            # there reuses the kept matmul outputs rather than making them again.
             kept_input = j == s or self.held[j]
             forward_high = max(forward_high, retained + (0 if kept_input else block.input_bytes)
-                               + block.forward_peak_bytes)
+                               + max(block.forward_peak_bytes - block.matmul_bytes, 0))
             added, _ = self.kept(j, input_retained=kept_input)
             retained += added - block.matmul_bytes
             backward_high = max(backward_high, retained + block.output_bytes
