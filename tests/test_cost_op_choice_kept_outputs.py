@@ -10,7 +10,9 @@ gradients the plain model's bit for bit:
 - A segment of several blocks under a choice: its recomputation reuses the kept outputs, but
   each block's forward peak there counted them again (+9.7% to +13.8% over on the CNN keeping
   convolutions and ReLUs); and the outputs each block keeps for the next, inside the segment,
-  were missing from its first forward (-9.7%).
+  were missing from its first forward (-9.7%). Its last block's backward, walked as the
+  plain block's, came out under what ``profile`` measured of it alone under the choice
+  (a PEFT Llama pair keeping their residual adds: -0.6%, now +0.0%).
 """
 
 from __future__ import annotations

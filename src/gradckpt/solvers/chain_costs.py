@@ -303,6 +303,7 @@ class ChainCosts:
             kept_input = j == s or self.held[j]
             forward_high = max(forward_high, retained + (0 if kept_input else block.input_bytes)
                                + max(block.forward_peak_bytes - block.matmul_bytes, 0))
+            before = retained + (0 if kept_input else block.input_bytes)
             added, _ = self.kept(j, input_retained=kept_input)
             retained += added - block.matmul_bytes
             backward_high = max(backward_high, retained + block.output_bytes
@@ -312,6 +313,10 @@ class ChainCosts:
             costs.matmul_bytes.append(matmul_bytes)
             costs.policy_seconds.append(policy_seconds)
             policy_peak = max(self.alive[j] + forward_high, backward_high)
+            if j > s and block.policy_backward_peak_bytes is not None:
+                # Its recomputation and backward as measured alone (simulate's walk).
+                policy_peak = max(policy_peak, self.alive[j] + before
+                                  + block.policy_backward_peak_bytes)
             if j == s and block.policy_backward_peak_bytes is not None:  # measured (simulate)
                 policy_peak = self.alive[j] + block.policy_backward_peak_bytes
                 costs.policy_transient.append(block.policy_transient_bytes() + self.returned[s])
