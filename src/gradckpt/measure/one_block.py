@@ -30,7 +30,7 @@ from .clock import BOOKKEEPING
 from .meter import MemoryMeter, trackable
 from .operations import MENU_TIMING_RUNS, operations_of
 from .recording import BlockCall
-from .tensors import is_passed_object, saved_apart, tensor_bytes, tensors_in
+from .tensors import SavedStorages, is_passed_object, tensor_bytes, tensors_in
 from .timing import TimeRatios, interleaved_seconds, median_seconds
 
 __all__ = ["MIN_OFFERED_SHARE", "measure_block"]
@@ -73,13 +73,7 @@ def measure_block(
     readings = _Readings()  # on a modeled clock, this pass's times are its forward's and step's
     args, kwargs, hidden = call.fresh()
     readings.add("forward", readings.started)
-    saved: dict[int, int] = {}  # storage -> bytes, each storage once
-
-    def remember(tensor: torch.Tensor) -> torch.Tensor:
-        key = storage_key(tensor)
-        if key not in parameter_storages:
-            saved[key] = tensor.untyped_storage().nbytes()
-        return saved_apart(tensor)
+    saving = SavedStorages(parameter_storages)
 
     objects = _objects_passed(call)
     stored_before = _storages_held_by(objects)
@@ -90,8 +84,10 @@ def measure_block(
         # incoming gradient (it frees the saved tensors as it goes).
         start = memory.current()
         began = clock.now()
-        with torch.autograd.graph.saved_tensors_hooks(remember, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(saving.pack, lambda tensor: tensor):
             output = block(*args, **kwargs)
+        saved = saving.alive()  # storage -> bytes, each storage once
+        del saving
         readings.add("forward", began)
         forward_peak = memory.peak() - start
         began = clock.now()

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..engine import asks_policy, first_tensor, is_matmul_or_attention, storage_key
 from . import clock
 from .recording import BlockCall
-from .tensors import saved_apart, tensor_bytes
+from .tensors import SavedStorages, tensor_bytes
 
 __all__ = ["MENU_TIMING_MIN_RUNS", "MENU_TIMING_RUNS", "MENU_TIMING_SECONDS", "Operations",
            "operations_of"]
@@ -124,16 +124,11 @@ def operations_of(
     args, kwargs, hidden = call.fresh()
     excluded = {storage_key(t) for t in (*block.parameters(), *block.buffers())}
     excluded |= set(side_inputs)
-    saved: dict[int, int] = {}
-
-    def remember(tensor: torch.Tensor) -> torch.Tensor:
-        if storage_key(tensor) not in excluded:
-            saved[storage_key(tensor)] = tensor.untyped_storage().nbytes()
-        return saved_apart(tensor)
-
+    saving = SavedStorages(excluded)
     # With grad, as in training: kernels can differ without it.
-    with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t), _OpTimer() as timer:
+    with torch.autograd.graph.saved_tensors_hooks(saving.pack, lambda t: t), _OpTimer() as timer:
         output = first_tensor(block(*args, **kwargs))
+    saved = saving.alive()  # as ``saved_bytes`` counts them
     # The block's output is the next item's input, retained by it whatever this block keeps:
     # not among what keeping its operation adds (counted twice, a choice keeping a Llama
     # layer's residual add came out one hidden state high).

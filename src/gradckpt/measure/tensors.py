@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["returns_tensor", "saved_apart", "tensor_bytes", "tensors_in"]
+from ..engine import storage_key
+
+__all__ = ["SavedStorages", "returns_tensor", "saved_apart", "tensor_bytes", "tensors_in"]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -43,6 +46,46 @@ def saved_apart(tensor: torch.Tensor) -> torch.Tensor:
     """
     with _disable_current_modes():
         return tensor.detach()
+
+
+class SavedStorages:
+    """The storages a forward's graph saves, each once with its bytes, less ``excluded`` (a
+    block's parameters): ``pack`` is the pack hook to run the forward under, ``alive()`` what
+    of it is still allocated when asked.
+
+    Alive, not all it was handed: a graph the forward lets go (scores computed with gradients
+    of which only the top indices are kept) frees what it saved, and a storage's key can come
+    back for a new one once it is freed. Counting every one handed over, DeepSeek-V4's sparse
+    attention layer measured 24.6-33.3 MB on identical fresh models, as the allocator reused
+    addresses, where its forward holds 15.8 MB.
+
+    Example:
+        >>> saved = SavedStorages()
+        >>> x = torch.ones(4, requires_grad=True)
+        >>> with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        ...     y = x.exp()
+        ...     z = (x * 2).sin()
+        >>> sorted(saved.alive().values())  # exp's output and sin's input
+        [16, 16]
+        >>> del z  # its graph let go, and what it saved
+        >>> sorted(saved.alive().values())
+        [16]
+    """
+
+    def __init__(self, excluded: set | frozenset = frozenset()) -> None:
+        self.excluded = excluded
+        self._handed: dict[Any, tuple[StorageWeakRef, int]] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key not in self.excluded:
+            storage = tensor.untyped_storage()
+            self._handed[key] = (StorageWeakRef(storage), storage.nbytes())
+        return saved_apart(tensor)
+
+    def alive(self) -> dict[Any, int]:
+        return {key: nbytes for key, (reference, nbytes) in self._handed.items()
+                if not reference.expired()}
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
