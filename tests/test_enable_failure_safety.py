@@ -323,9 +323,7 @@ MEASURING: dict[str, Callable[[torch.nn.Module], object]] = {
 def test_an_interrupt_while_measuring_propagates_and_leaves_nothing(
     call: str, lora: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The layer's calls counted once must be those of every run: with the op-level menu's
-    # timing capped in seconds, a loaded machine makes fewer timed runs, and the interrupt
-    # set on the last call counted never came (1 of 2,621 tests in a run beside six others).
+    # With the op-level menu's timing capped in seconds, a loaded machine makes fewer timed runs.
     monkeypatch.setattr(operations, "MENU_TIMING_SECONDS", float("inf"))
     model = _model(lora)
     _planned(model)
@@ -337,14 +335,37 @@ def test_an_interrupt_while_measuring_propagates_and_leaves_nothing(
     # Calls of the second layer from the recording step, through the timed and metered steps,
     # to the layer measured on its own (forward, recomputation, backward), the last one.
     for failing in sorted({1, 2, 3, calls // 2, calls - 1, calls}):
-        handle = _layers(model)[1].register_forward_pre_hook(
-            _raising_on_call({failing}, KeyboardInterrupt()))
-        with pytest.raises(KeyboardInterrupt):
-            measure(model)
-        handle.remove()
+        _interrupt_on_call(model, lambda: measure(model), failing)
         _same_model(model_before, _model_state(model), {"config"})
         _same_globals(globals_before)
     _check_everything_came_back(model, lora, model_before, globals_before, interrupted=True)
+
+
+def _interrupt_on_call(model: torch.nn.Module, run: Callable[[], object], failing: int) -> None:
+    """Run ``run`` with a KeyboardInterrupt raised on the second layer's ``failing``-th call,
+    which must propagate. The count is not the same in every run: which op-level choices a
+    layer's menu offers, each measured with its own calls, follows the operations' measured
+    time shares (in full-suite runs the last call counted before never came, 2 runs of 3).
+    Where a run ends before that call, the interrupt goes on the last call it made instead."""
+    for _ in range(5):
+        seen = [0]
+
+        def hook(module: torch.nn.Module, args: tuple, seen: list[int] = seen,
+                 failing: int = failing) -> None:
+            seen[0] += 1
+            if seen[0] == failing:
+                raise KeyboardInterrupt
+
+        handle = _layers(model)[1].register_forward_pre_hook(hook)
+        try:
+            run()
+        except KeyboardInterrupt:
+            return
+        finally:
+            handle.remove()
+        assert 0 < seen[0] < failing, "the run made the call and no interrupt came out"
+        failing = seen[0]
+    pytest.fail(f"no run reached the second layer's call {failing}")
 
 
 def test_an_error_in_the_loss_on_fake_tensors_does_not_kill_the_process() -> None:
