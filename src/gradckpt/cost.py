@@ -450,7 +450,6 @@ class _Walk:
             retained -= added
         return peak, retained
 
-
     def _last_block_measured(
         self, segment: Segment, inner_items: list[int | Segment], inner_added: list[int],
         retained: int, outputs: dict[int, int], policies: dict,

@@ -87,16 +87,14 @@ def measure_block(
         with torch.autograd.graph.saved_tensors_hooks(saving.pack, lambda tensor: tensor):
             output = block(*args, **kwargs)
         saved = saving.alive()  # storage -> bytes, each storage once
-        del saving
         readings.add("forward", began)
         forward_peak = memory.peak() - start
         began = clock.now()
         chain_output = _block_output(output)
-        leaves = leaves_made(chain_output, graph_before, parameter_storages | {
-            storage_key(t) for t in tensors_in((args, kwargs))})
-        returned_bytes = _returned_bytes(
-            output, chain_output, parameter_storages | {storage_key(t) for t in tensors_in(
-                (args, kwargs))})
+        # Not made by its forward: its parameters, buffers and arguments.
+        given = parameter_storages | {storage_key(t) for t in tensors_in((args, kwargs))}
+        leaves = leaves_made(chain_output, graph_before, given)
+        returned_bytes = _returned_bytes(output, chain_output, given)
         argument_stored_bytes = sum(nbytes for key, nbytes in _storages_held_by(objects).items()
                                     if key not in stored_before)
         if not chain_output.requires_grad:

@@ -101,7 +101,6 @@ class StepMemory:
                 self.start = memory.current()
                 self._watch_saves()
                 step()
-                self._stop_watching_saves()
                 self._enter(self.phase, "end")
                 self.end = memory.current()  # what the step leaves: gradients, the output
         finally:
