@@ -8,7 +8,7 @@ import contextlib
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -134,14 +134,12 @@ def measure_block(
         # A modeled clock times the same operations alike: the passes that measure the peaks
         # are timed as they run (each from no gradients, as a training step starts).
         operations = operations_of(block, call, side_inputs)
-        (checkpointed_forward_peak, checkpointed_backward_peak), checkpointed_step = (
-            _checkpointed_peaks(block, call, device, None, name))
-        (policy_forward_peak, policy_backward_peak), policy_step = _checkpointed_peaks(
-            block, call, device, PLANNED_POLICY, name)
+        checkpointed_run = _checkpointed_peaks(block, call, device, None, name)
+        policy_run = _checkpointed_peaks(block, call, device, PLANNED_POLICY, name)
         forward_alone = readings.seconds["forward"]
         forward_times, backward, checkpointed, policy = (
             [forward_alone], [readings.seconds["backward"]],
-            [checkpointed_step - forward_alone], [policy_step - forward_alone])
+            [checkpointed_run.seconds - forward_alone], [policy_run.seconds - forward_alone])
     else:
         forward_times, backward, checkpointed, policy = _timed_apart(block, call, repeats,
                                                                      device, name)
@@ -149,10 +147,8 @@ def measure_block(
         # Where its op-level choices will be chosen from them, the least of several runs.
         operations = operations_of(block, call, side_inputs,
                                    runs=1 if same_kind is not None else MENU_TIMING_RUNS)
-        (checkpointed_forward_peak, checkpointed_backward_peak), _ = _checkpointed_peaks(
-            block, call, device, None, name)
-        (policy_forward_peak, policy_backward_peak), _ = _checkpointed_peaks(
-            block, call, device, PLANNED_POLICY, name)
+        checkpointed_run = _checkpointed_peaks(block, call, device, None, name)
+        policy_run = _checkpointed_peaks(block, call, device, PLANNED_POLICY, name)
     forward_seconds = (statistics.median(forward_times) if forward_in_step is None
                        else forward_in_step)
     ratios = TimeRatios.of(forward_times, backward, checkpointed, policy)
@@ -179,11 +175,11 @@ def measure_block(
             name: share * forward_seconds for name, share in operations.time_share.items()
         },
         gradient_bytes=gradient_bytes,
-        policy_forward_peak_bytes=policy_forward_peak,
-        policy_backward_peak_bytes=policy_backward_peak,
+        policy_forward_peak_bytes=policy_run.forward_peak,
+        policy_backward_peak_bytes=policy_run.backward_peak,
         policy_extra_seconds=ratios.median("policy") * forward_seconds,
-        checkpointed_forward_peak_bytes=checkpointed_forward_peak,
-        checkpointed_backward_peak_bytes=checkpointed_backward_peak,
+        checkpointed_forward_peak_bytes=checkpointed_run.forward_peak,
+        checkpointed_backward_peak_bytes=checkpointed_run.backward_peak,
         checkpointed_extra_seconds=ratios.median("checkpointed") * forward_seconds,
         returned_bytes=returned_bytes,
         argument_stored_bytes=argument_stored_bytes,
@@ -243,11 +239,10 @@ def _measured_op_choices(
     agreed = replace(measured, forward_seconds_by_op=by_op)
     for operations, kept_bytes, share in menu_of(agreed):
         policy = save_ops_policy_name(operations)
-        output_kept: list[int] = []
-        (forward_peak, backward_peak), _ = _checkpointed_peaks(
-            block, call, device, policy, measured.name, output_kept)
-        choices.append(OpChoice(policy, kept_bytes, share, forward_peak, backward_peak,
-                                *output_kept))
+        run = _checkpointed_peaks(block, call, device, policy, measured.name,
+                                  output_kept_counted=True)
+        choices.append(OpChoice(policy, kept_bytes, share, run.forward_peak, run.backward_peak,
+                                run.kept_output))
     return choices
 
 
@@ -323,24 +318,34 @@ class _Readings:
         self.seconds[name] = stretch if name not in self.seconds else self.seconds[name] + stretch
 
 
+class _CheckpointedRun(NamedTuple):
+    """What ``_checkpointed_peaks`` measured of one checkpointed run of a block."""
+
+    forward_peak: int
+    backward_peak: int
+    kept_output: int  # the block's own output the policy kept (0 where none)
+    seconds: Any  # the whole run's, on the active clock
+
+
 def _checkpointed_peaks(
     block: nn.Module, call: BlockCall, device: torch.device, policy: str | None, name: str,
-    output_kept: list[int] | None = None,
-) -> tuple[tuple[int, int], Any]:
+    output_kept_counted: bool = False,
+) -> _CheckpointedRun:
     """The block checkpointed on its own (under ``policy``), as ``apply`` runs a one-block
     segment: its forward's peak above its input, and its backward's peak (the recomputation
-    included) above what exists when that starts; and the seconds of the whole run (its
-    arguments' fresh copy, forward and backward: what ``_checkpointed_step`` times).
+    included) above what exists when that starts; the bytes of its output the policy kept; and
+    the seconds of the whole run (its arguments' fresh copy, forward and backward: what
+    ``_checkpointed_step`` times).
 
-    ``output_kept``: where given, the output, where the policy keeps it (a ReLU's, the last
-    operation's), counts in the backward's peak rather than in what exists at its start, and
-    its bytes are appended to the list (``OpChoice.output_kept_bytes``). An
-    op-level choice's kept bytes leave it out (``operations_of``: the next item retains it),
-    but in a step that item has run its backward and let it go by the time this block's
-    starts, while the policy holds it until the recomputation: left out of both, a CNN
-    block's backward under ``save-ops:aten.relu`` came out one hidden state under the step's
-    (while the measured backward held its incoming gradient to the end, of the output's
-    size, that gradient stood in for it).
+    ``output_kept_counted``: the output, where the policy keeps it (a ReLU's, the last
+    operation's), counts in the backward's peak rather than in what exists at its start
+    (``OpChoice.output_kept_bytes`` then holds it apart). An op-level choice's kept bytes
+    leave it out (``operations_of``: the next item retains it), but in a step that item has
+    run its backward and let it go by the time this block's starts, while the policy holds it
+    until the recomputation: left out of both, a CNN block's backward under
+    ``save-ops:aten.relu`` came out one hidden state under the step's (while the measured
+    backward held its incoming gradient to the end, of the output's size, that gradient stood
+    in for it).
 
     Measured rather than derived: what the recomputation holds and frees early (kept outputs
     backward does not save, under a policy) depends on the block's code, and a checkpointed
@@ -362,13 +367,11 @@ def _checkpointed_peaks(
         output_bytes, before = tensor_bytes(output), memory.current()
         del output
         kept_output = max(output_bytes - (before - memory.current()), 0)
-        backward_peak = backward() + (kept_output if output_kept is not None else 0)
-        if output_kept is not None:
-            output_kept.append(kept_output)
+        backward_peak = backward() + (kept_output if output_kept_counted else 0)
         readings.add("run", readings.started)
         del args, kwargs
     block.zero_grad(set_to_none=True)
-    return (forward_peak, backward_peak), readings.seconds["run"]
+    return _CheckpointedRun(forward_peak, backward_peak, kept_output, readings.seconds["run"])
 
 
 def _checkpointed_step(
