@@ -4,6 +4,7 @@ op-level choice keeps of it (shared by the walk and the solvers' chain costs).""
 
 from __future__ import annotations
 
+from ..engine.fates import OFFLOAD_OPS, operations_kept_by, save_ops_policy_name
 from ..op_choices import policy_cost
 from ..profile_types import BlockProfile, Profile
 
@@ -62,16 +63,27 @@ def returned_alive(profile: Profile) -> list[int]:
     ]
 
 
-def output_kept_bytes(block: BlockProfile, policy: str) -> int:
+def output_kept_bytes(
+    block: BlockProfile, policy: str, host_link_bytes_per_second: float | None = None
+) -> int:
     """Of the outputs ``policy`` keeps of ``block`` checkpointed, its own output's bytes
-    (``OpChoice.output_kept_bytes``, measured with the choice; 0 where not measured).
+    (``OpChoice.output_kept_bytes``, measured with the choice; 0 where not measured). An
+    ``"offload-ops:..."`` policy keeps them on the device only where there is no host link to
+    offload over (the CPU: the engine keeps them there), as the ``"save-ops:..."`` choice of
+    the same operations does; over a link, they wait on the host.
 
     Example:
         >>> from gradckpt.profile_types import OpChoice, example_block
         >>> block = example_block(op_choices=[OpChoice("save-ops:aten.relu", 0, 0.1, 20, 30, 10)])
         >>> output_kept_bytes(block, "save-ops:aten.relu"), output_kept_bytes(block, "save-matmuls")
         (10, 0)
+        >>> [output_kept_bytes(block, "offload-ops:aten.relu", link) for link in (None, 20e9)]
+        [10, 0]
     """
+    if policy.startswith(OFFLOAD_OPS):
+        if host_link_bytes_per_second:
+            return 0
+        policy = save_ops_policy_name(operations_kept_by(policy))
     name = policy_cost(block, policy).policy
     return next((choice.output_kept_bytes for choice in block.op_choices
                  if choice.policy == name), 0)

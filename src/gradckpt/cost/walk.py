@@ -105,7 +105,7 @@ class Walk:
         block saving its input."""
         held_after = isinstance(next_item, Segment) or (
             next_item is not None and self.blocks[next_item].input_saved)
-        kept = {j: output_kept_bytes(self.blocks[j], segment.policy)
+        kept = {j: output_kept_bytes(self.blocks[j], segment.policy, self.host_link)
                 for j in policy_blocks(segment) if j < segment.end or not held_after}
         return {j: nbytes for j, nbytes in kept.items() if nbytes}
 

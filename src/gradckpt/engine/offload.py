@@ -40,6 +40,22 @@ class _Offloaded:
         return tree_unflatten(leaves, self.spec)
 
 
+def offloadable(output: Any) -> bool:
+    """Whether any tensor of an operation's output lives where offloading it saves memory: an
+    accelerator's memory (not the CPU's, and not a meta or fake tensor, which has none).
+
+    Example:
+        >>> offloadable(torch.ones(2)), offloadable((torch.ones(2, device="meta"), 3))
+        (False, False)
+    """
+    return any(_on_accelerator(leaf) for leaf in tree_flatten(output)[0]
+               if isinstance(leaf, torch.Tensor))
+
+
+def _on_accelerator(tensor: torch.Tensor) -> bool:
+    return tensor.device.type not in ("cpu", "meta") and not _is_fake(tensor)
+
+
 class _HostCopy:
     """One tensor in CPU memory while the forward goes on, back on its device for backward.
 
@@ -47,13 +63,15 @@ class _HostCopy:
     rest of the forward; recomputation starts copying a region's tensors back all at once
     (prefetch) and waits for each one only when it is needed. On the CPU there is nowhere cheaper
     to put a tensor: it is simply kept (documented: OFFLOAD is KEEP for CPU-resident models), and
-    so are meta and fake tensors, which have no memory to copy.
+    so are meta and fake tensors, which have no memory to copy. (An output with no tensor on an
+    accelerator is recorded as kept before it gets here: ``offloadable``; these are the CPU
+    tensors of an output that has some on one.)
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.device = tensor.device
         # Fake tensors (estimate) have a device but no memory to copy: they are kept.
-        self.on_accelerator = tensor.device.type not in ("cpu", "meta") and not _is_fake(tensor)
+        self.on_accelerator = _on_accelerator(tensor)
         self.back: tuple[torch.Tensor, Any] | None = None
         if not self.on_accelerator:
             self.host = _alias_sharing_version(tensor)

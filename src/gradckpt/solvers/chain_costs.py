@@ -182,7 +182,7 @@ class ChainCosts:
                 # Its own output the policy keeps, unless the next block saves it as its
                 # input (a segment there retains it too: counted twice, the safe side).
                 output = (0 if s + 1 < self.n and self.blocks[s + 1].input_saved
-                          else output_kept_bytes(block, policy))
+                          else output_kept_bytes(block, policy, self.host_link))
                 menu.append(MenuOption(
                     cost.policy, cost.kept_bytes + output, cost.extra_seconds,
                     self.alive[s] + max((cost.backward_peak_bytes or 0) - output, 0),
