@@ -130,6 +130,42 @@ def test_fsdp_takes_the_fewest_gpus_that_fit():
     assert option.description.startswith("FSDP2 over 4 GPUs")
 
 
+def test_under_ddp_every_option_counts_the_buckets_and_fsdp_replaces_ddp():
+    """``ddp=True``: each configuration is estimated with DDP's buckets, and the ``fsdp`` lever
+    is FSDP2 instead of DDP over N GPUs, each keeping its batch (DDP's is one rank's)."""
+    model, sample = mlp_chain(8, 256), torch.randn(8, 16, 256)
+    budget = 5 * MiB
+    search = fit(model, sample, budget, device="h100", optimizer="adamw", ddp=True,
+                 levers=["recompute", "fsdp"])
+    as_is = gradckpt.estimate(model, sample, device="h100", optimizer="adamw", ddp=True)
+    buckets = as_is.notes["ddp_bucket_bytes"]
+    assert buckets == sum(p.numel() * 4 for p in model.parameters())
+    assert search.as_is_least_peak_bytes == least_peak(as_is) > budget
+    assert least_peak(gradckpt.estimate(model, sample, device="h100", optimizer="adamw")) \
+        <= least_peak(as_is) - buckets  # without DDP, the buckets' copy goes
+    (option,) = search.options
+    config = option.configuration
+    assert option.levers[-1] == "fsdp" and not config.ddp and config.batch == 8
+    fitting = [ranks for ranks in (2, 4, 8)
+               if least_peak(gradckpt.estimate(model, sample, device="h100",
+                                               optimizer="adamw", world_size=ranks)) <= budget]
+    assert config.world_size == min(fitting)
+    assert option.description.startswith(f"FSDP2 over {config.world_size} GPUs instead of DDP;")
+    assert "effective batch" not in option.description  # each GPU keeps its batch
+
+
+def test_lora_under_ddp_buckets_only_the_adapters_gradients():
+    pytest.importorskip("peft")
+    model, sample = mlp_chain(8, 256), torch.randn(8, 16, 256)
+    search = fit(model, sample, 4 * MiB, device="h100", optimizer="adamw", ddp=True,
+                 levers=["recompute", "lora"], lora_rank=4)
+    (option,) = search.options
+    assert "lora" in option.levers and option.configuration.ddp
+    trained = 8 * 2 * 4 * 256 * 4  # per layer A (4 x 256) and B (256 x 4), fp32
+    assert option.profile.notes["ddp_bucket_bytes"] == trained
+    assert option.predicted_peak_bytes <= 4 * MiB
+
+
 def test_a_budget_nothing_reaches_says_the_least_peak_with_every_lever():
     model, sample = mlp_chain(8, 128), torch.randn(32, 64, 128)
     with pytest.raises(BudgetError) as raised:

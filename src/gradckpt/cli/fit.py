@@ -71,10 +71,6 @@ def run_fit(args: argparse.Namespace) -> int:
         levers = None if args.levers is None else check_levers(args.levers)
     except UsageError as error:
         raise CommandLineError(f"--levers: {error}") from None
-    if args.ddp:
-        raise CommandLineError(
-            "--ddp: gradckpt fit does not search configurations trained under DDP yet; "
-            "plan one with gradckpt plan MODEL --estimate --ddp ...")
     spec = target_device(args.device)  # an unknown target is told before any slow work
     torch.manual_seed(args.seed)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
@@ -85,7 +81,7 @@ def run_fit(args: argparse.Namespace) -> int:
     search = fit(
         target.model, target.sample, args.budget or "auto", device=spec, optimizer=optimizer,
         dtype=dtype, autocast=autocast_dtype(args), accumulation_steps=args.accumulation_steps,
-        keep_output=not args.drop_output, world_size=args.world_size,
+        keep_output=not args.drop_output, world_size=args.world_size, ddp=args.ddp,
         adapters=_adapters(args), levers=levers, count=args.count,
         max_world_size=args.max_gpus, lora_rank=args.lora or args.adapter_rank,
         lora_targets=args.lora_targets, output_head=args.output_head,
@@ -248,6 +244,8 @@ def _plan_command(args: argparse.Namespace, option: FitOption, spec: DeviceSpec)
         words += {"4-bit": ["--qlora"], "8-bit": ["--8bit"]}.get(config.adapters.base, [])
     if config.world_size > 1:
         words += ["--world-size", str(config.world_size)]
+    if config.ddp:
+        words += ["--ddp"]
     if args.output_head != "auto":
         words += ["--output-head", args.output_head]
     return " ".join(words)

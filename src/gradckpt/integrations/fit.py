@@ -107,6 +107,7 @@ def fit(
     accumulation_steps: int = 1,
     keep_output: bool = True,
     world_size: int = 1,
+    ddp: bool = False,
     adapters: Adapters | None = None,
     levers: Iterable[str] | None = None,
     count: int = 3,
@@ -125,8 +126,9 @@ def fit(
             the meta device (no weights) and is not changed.
         budget: the peak per GPU, in any form ``gradckpt.solve`` reads; ``"auto"`` (default)
             is what ``device`` has; a percentage is of the step as it is, without checkpointing.
-        device, optimizer, dtype, autocast, accumulation_steps, keep_output, world_size: the
-            step as it is, as ``gradckpt.estimate`` takes them.
+        device, optimizer, dtype, autocast, accumulation_steps, keep_output, world_size, ddp:
+            the step as it is, as ``gradckpt.estimate`` takes them. Under ``ddp`` the ``fsdp``
+            lever is FSDP2 instead of DDP over N GPUs, each keeping its batch.
         adapters: the step as it is trains these adapters on ``model`` (made by ``fine_tune``).
         levers: the names of ``LEVERS`` that may be pulled (default: all).
         count: how many options to find.
@@ -168,7 +170,7 @@ def fit(
     as_is = Configuration(
         batch=_batch_size(sample), accumulation_steps=accumulation_steps,
         world_size=world_size, dtype=dtype, autocast=autocast, keep_output=keep_output,
-        adapters=adapters,
+        adapters=adapters, ddp=ddp,
     )
     search = _Search(
         model=model, sample=sample, loss_fn=loss_fn, spec=spec, optimizer=optimizer,

@@ -49,7 +49,9 @@ class Adapters:
 class Configuration:
     """What one estimate is of: the step's micro-batch (one rank's), the accumulation steps,
     the ranks sharding it, the precision, whether the loop holds the output through backward,
-    and the adapters trained (``None``: every parameter as the model has it)."""
+    the adapters trained (``None``: every parameter as the model has it), and whether each
+    rank runs it under ``DistributedDataParallel`` (``ddp``: its ranks are not counted here,
+    they do not shard the model)."""
 
     batch: int | None
     accumulation_steps: int = 1
@@ -58,10 +60,12 @@ class Configuration:
     autocast: torch.dtype | None = None
     keep_output: bool = True
     adapters: Adapters | None = None
+    ddp: bool = False
 
     @property
     def effective_batch(self) -> int | None:
-        """Samples per optimizer step over every rank and micro-batch."""
+        """Samples per optimizer step over every rank and micro-batch (under DDP, per rank:
+        DDP's ranks multiply it alike for every configuration of the same GPUs)."""
         if self.batch is None:
             return None
         return self.batch * self.accumulation_steps * self.world_size

@@ -181,6 +181,8 @@ class _Search:
         if not counts:
             raise LeverSkipped(f"{config.world_size} GPUs already, and the most allowed is "
                                f"{self.max_world_size}")
+        if config.ddp:  # FSDP2 instead over the same GPUs: each keeps its batch
+            return [replace(config, world_size=ranks, ddp=False) for ranks in counts]
         sharded = []
         for ranks in counts:  # the effective batch split over the ranks, at least 1 each
             batch = (None if config.batch is None
@@ -205,6 +207,7 @@ class _Search:
             model, sample, self.loss_fn, device=self.spec, optimizer=self.optimizer,
             accumulation_steps=config.accumulation_steps, world_size=config.world_size,
             dtype=dtype, autocast=config.autocast, keep_output=config.keep_output,
+            ddp=config.ddp,
         )
         if budget_from is not None:  # the step as it is: a percentage is of its peak
             self.budget_bytes = parse_budget(
@@ -399,7 +402,8 @@ class _Search:
         """What ``config`` changes of the step as it is (and its plan does), in a few words."""
         as_is, words = self.as_is, []
         if config.world_size != as_is.world_size:
-            words.append(f"FSDP2 over {config.world_size} GPUs")
+            words.append(f"FSDP2 over {config.world_size} GPUs"
+                         + (" instead of DDP" if as_is.ddp and not config.ddp else ""))
         if config.adapters != as_is.adapters:
             words.append(config.adapters.describe())
         if config.dtype != as_is.dtype:
@@ -411,12 +415,20 @@ class _Search:
                          "accumulated")
         if config.keep_output != as_is.keep_output:
             words.append("output dropped before backward")
-        if config.effective_batch != as_is.effective_batch:
-            words.append(f"effective batch {config.effective_batch} (was "
-                         f"{as_is.effective_batch})")
+        batch, was = self._effective_batch(config), self._effective_batch(as_is)
+        if batch != was:
+            words.append(f"effective batch {batch} (was {was})"
+                         + (" per GPU" if as_is.ddp else ""))
         if plan is not None:
             words.append(_plan_words(plan))
         return "; ".join(words) or "as it is"
+
+    def _effective_batch(self, config: Configuration) -> int | None:
+        """``config``'s effective batch as the step as it is counts it: where that runs under
+        DDP, per GPU (FSDP2 instead, over the same GPUs, keeps each one's batch)."""
+        if self.as_is.ddp and config.batch is not None:
+            return config.batch * config.accumulation_steps
+        return config.effective_batch
 
 
 # --- small pieces ----------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from .fit_options import Configuration
 def _state_bytes(model: nn.Module, config: Configuration, optimizer: Any) -> int:
     """Parameters, gradients and optimizer state per GPU of ``config``: a lower bound on its
     peak (all of them are alive when ``optimizer.step()`` runs), counted from the model's
-    shapes without estimating. Adapters are not counted (0: no bound)."""
+    shapes without estimating; under DDP, its buckets (a copy of every trainable gradient)
+    too. Adapters are not counted (0: no bound)."""
     if config.adapters is not None:
         return 0
     name = optimizer.lower() if isinstance(optimizer, str) else ""
@@ -36,8 +37,8 @@ def _state_bytes(model: nn.Module, config: Configuration, optimizer: Any) -> int
         size = parameter.numel() * dtype.itemsize
         total += size
         if parameter.requires_grad:
-            total += size + (state_bytes * parameter.numel() if state_bytes is not None
-                             else states * size)
+            total += size * (2 if config.ddp else 1) + (
+                state_bytes * parameter.numel() if state_bytes is not None else states * size)
     return total // config.world_size
 
 
@@ -74,6 +75,19 @@ def _sliced(sample: Any, batch: int | None, dtype: torch.dtype | None = None) ->
     if isinstance(sample, tuple):
         return tuple(cut(value) for value in sample)
     return cut(sample)
+
+
+def fed_in(sample: Any, dtype: torch.dtype | None) -> Any:
+    """``sample`` as a step trained in ``dtype`` is fed: its floating tensors in ``dtype``
+    (None: as it is). ``estimate(dtype=...)`` casts the model, not the sample; fed fp32, a
+    bf16 model's fake step computed in fp32, as no real one can.
+
+    Example:
+        >>> fed_in(torch.ones(2), torch.bfloat16).dtype, fed_in(torch.ones(2, dtype=torch.long),
+        ...                                                    torch.bfloat16).dtype
+        (torch.bfloat16, torch.int64)
+    """
+    return _sliced(sample, None, dtype)
 
 
 def _tensors(sample: Any) -> Iterator[torch.Tensor]:
