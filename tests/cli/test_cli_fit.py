@@ -33,7 +33,7 @@ def predicted_peak(plan_arguments: list[str], capsys) -> str:
     """What ``gradckpt plan ... --estimate`` predicts, from its first line."""
     assert main(plan_arguments) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    return re.match(r"fits: predicted peak ([\d.]+ [KMG]iB)", first).group(1)
+    return re.match(r"fits: predicted peak (?:per rank )?([\d.]+ [KMG]iB)", first).group(1)
 
 
 def test_a_smaller_micro_batch_that_fits_and_its_plan_command(capsys):
@@ -104,6 +104,25 @@ def test_counts_must_be_positive_integers(flag, capsys):
         main(["fit", *MLP, flag, "0"])
     assert exited.value.code == 2
     assert f"argument {flag}: expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_under_ddp_each_option_and_its_plan_command_count_the_buckets(capsys):
+    """``gradckpt fit --ddp``: the step as it is and each option trained under DDP carry its
+    buckets (the header says so, each plan command has ``--ddp`` and predicts the same peak);
+    FSDP2 instead of DDP, over as many GPUs as fit, each keeping its batch, does not."""
+    pytest.importorskip("peft")
+    lines = fit_output(["mlp-chain", "--device", "h100", "--batch", "8", "--seq", "16",
+                        "--optimizer", "adamw", "--ddp", "--budget", "13MiB", "--levers",
+                        "recompute,fsdp,bf16,lora", "--adapter-rank", "4"], capsys)
+    assert lines[1].endswith("optimizer adamw, DDP's buckets counted")
+    rows = [line for line in lines if re.match(r"\d  ", line)]
+    assert [row.split(";")[0] for row in rows] == [
+        "1  bf16 throughout", "2  LoRA r=4 on all-linear", "3  FSDP2 over 2 GPUs instead of DDP"]
+    commands = plan_commands(lines)
+    assert [command[-1] for command in commands] == ["--ddp", "--ddp", "2"]
+    assert all(command[command.index("--batch") + 1] == "8" for command in commands)
+    for row, command in zip(rows, commands, strict=True):
+        assert predicted_peak(command, capsys) in row
 
 
 @pytest.mark.slow

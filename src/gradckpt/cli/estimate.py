@@ -109,20 +109,22 @@ def run_estimate(args: argparse.Namespace) -> int:
     """
     import gradckpt
     from gradckpt.budget import format_bytes
+    from gradckpt.integrations.fit_step import fed_in
     from gradckpt.measure.memory_parts import memory_parts
     from gradckpt.predict.devices import format_device
     from gradckpt.report import head_chunk_options, memory_breakdown_table, part_label
 
     spec = target_device(args.device)
     stage(f"building {args.model} (configs on the meta device: shapes, no memory)")
-    target = fine_tuned(
-        resolve_model(args.model, args.batch, args.seq, on_meta=True), args
-    )
+    built = resolve_model(args.model, args.batch, args.seq, on_meta=True)
+    target = fine_tuned(built, args)
     dtype = trained_dtype(args, target)
+    # Fed in the dtype it trains in, as ``gradckpt fit`` feeds each option it suggests.
+    sample = fed_in(target.sample, trained_dtype(args, built))
     optimizer = None if args.optimizer == "none" else args.optimizer
     with progress_bar(f"gradckpt: estimating on fake tensors for {spec.name}") as report:
         profile = gradckpt.estimate(
-            target.model, target.sample, device=spec, optimizer=optimizer, dtype=dtype,
+            target.model, sample, device=spec, optimizer=optimizer, dtype=dtype,
             autocast=autocast_dtype(args), accumulation_steps=args.accumulation_steps,
             keep_output=not args.drop_output, world_size=args.world_size, ddp=args.ddp,
             progress=report,
