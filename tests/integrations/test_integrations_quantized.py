@@ -46,7 +46,12 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    # GPT-2's linear layers are Transformers' Conv1D (weight [in, out]).
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64),
 }
+# The layers a bitsandbytes config quantises in each (all but the output head).
+QUANTISED_LAYERS = {"llama": 2 * 7, "qwen2": 2 * 7, "gpt2": 2 * 4}
 
 
 def qlora(family: str, *, meta: bool, lora: bool = True) -> nn.Module:
@@ -120,10 +125,43 @@ def test_the_measurement_counts_the_dequantised_weight_and_the_quantisation_stat
     assert "forward" not in layer.__dict__ and "gradckpt_absmax" not in layer._buffers
 
 
-def test_a_planned_qlora_loop_fits_its_budget_and_trains_bit_for_bit():
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_planned_qlora_loop_fits_its_budget_and_trains_bit_for_bit(family):
     """enable() on a real 4-bit base with LoRA; four AdamW steps as a fine-tuning script runs
     them; steps 2-4 metered (with the quantisation state counted) against the plain run."""
-    assert_a_planned_loop_fits_and_trains_bit_for_bit(lambda: qlora("llama", meta=False))
+    assert_a_planned_loop_fits_and_trains_bit_for_bit(lambda: qlora(family, meta=False))
+
+
+@pytest.mark.parametrize("quantise", ["4-bit", "8-bit"])
+def test_a_conv1d_is_quantised_as_the_linear_layer_of_its_transposed_weight(quantise):
+    """Transformers' bitsandbytes loading turns GPT-2's ``Conv1D`` (``x @ W + b``, W of shape
+    [in, out]) into a quantised linear layer of W transposed: the same layer, bit for bit, as
+    quantising that ``nn.Linear``; and a whole GPT-2 keeps no layer in full precision but its
+    head (before, its "4-bit base" kept every weight in bf16)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from gradckpt.integrations.quantized_8bit import quantize_linear_layers_8bit
+
+    quantised = {"4-bit": quantize_linear_layers, "8-bit": quantize_linear_layers_8bit}[quantise]
+    torch.manual_seed(0)
+    conv = Conv1D(48, 32)
+    nn.init.normal_(conv.bias)
+    linear = nn.Linear(32, 48)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    from_conv = quantised(nn.Sequential(conv).to(torch.bfloat16))[0]
+    from_linear = quantised(nn.Sequential(linear).to(torch.bfloat16))[0]
+    assert type(from_conv) is type(from_linear)
+    assert torch.equal(from_conv.weight, from_linear.weight)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert torch.equal(from_conv(x), from_linear(x))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(FAMILIES["gpt2"]())
+    quantised(model.to(torch.bfloat16))
+    kinds = [type(m).__name__ for m in model.modules()]
+    assert "Conv1D" not in kinds
+    assert sum(kind in ("Linear4bit", "Linear8bitLt") for kind in kinds) == QUANTISED_LAYERS["gpt2"]
 
 
 def assert_a_planned_loop_fits_and_trains_bit_for_bit(build: Callable[[], nn.Module]) -> None:

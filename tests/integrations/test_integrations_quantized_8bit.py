@@ -33,6 +33,7 @@ bnb = pytest.importorskip("bitsandbytes")
 from bitsandbytes.autograd._functions import MatMul8bitLt  # noqa: E402
 from test_integrations_quantized import (  # noqa: E402
     FAMILIES,
+    QUANTISED_LAYERS,
     assert_a_planned_loop_fits_and_trains_bit_for_bit,
     batch,
     numbers,
@@ -74,8 +75,8 @@ def measured(request: pytest.FixtureRequest) -> tuple[str, gradckpt.Profile]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = lora_8bit(family, meta=False)
-        assert type(model.base_model.model.model.layers[0].mlp.up_proj).__module__ == \
-            "peft.tuners.lora.bnb"  # PEFT's 8-bit LoRA layer, as on a GPU
+        # PEFT's 8-bit LoRA layer, as on a GPU
+        assert any(type(m).__module__ == "peft.tuners.lora.bnb" for m in model.modules())
         return family, gradckpt.profile(model, batch(), optimizer="adamw", repeats=1)
 
 
@@ -87,7 +88,7 @@ def test_an_estimate_of_an_8bit_lora_model_on_meta_is_its_measured_profile_to_th
     assert numbers(predicted) == numbers(profile)
     # Left as it was: on meta, not quantised, nothing of gradckpt's on its layers.
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
-    assert len(layers) == 2 * 7
+    assert len(layers) == QUANTISED_LAYERS[family]
     for layer in layers:
         assert "forward" not in layer.__dict__ and "gradckpt_SCB" not in layer._buffers
         assert layer.weight.is_meta and layer.weight.dtype == torch.bfloat16
@@ -95,8 +96,12 @@ def test_an_estimate_of_an_8bit_lora_model_on_meta_is_its_measured_profile_to_th
 
 def test_an_estimate_for_a_gpu_runs_its_path_within_3_percent_of_the_cpu_measurement(measured):
     """The GPU's path (input in int8, int32 product) against the CPU's (weight dequantised):
-    these layers are small next to the step, so the peaks stay close."""
+    these layers are small next to the step, so the peaks stay close. Not in the tiny GPT-2,
+    whose 4x-wide MLP on 64 channels makes them a fifth of it (19% apart, each path as the
+    other tests here check it)."""
     family, profile = measured
+    if family == "gpt2":
+        pytest.skip("the quantised layers are a fifth of this tiny GPT-2's step")
     predicted = gradckpt.estimate(lora_8bit(family, meta=True), batch("meta"),
                                   optimizer="adamw", device="h100-80gb")
     assert predicted.blocks[0].matmul_bytes != profile.blocks[0].matmul_bytes  # another path

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -120,12 +120,12 @@ def quantize_linear_layers(
     compute_dtype: torch.dtype | None = torch.bfloat16,
     double_quant: bool = True,
 ) -> nn.Module:
-    """``model`` with its ``nn.Linear`` layers (but those named in ``skip``) replaced by
-    bitsandbytes ``Linear4bit``: quantised now on CPU, or left for ``estimate`` on meta. The
-    defaults are the QLoRA recipe (NF4, double quantisation, bf16 compute) and what
-    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)`` loads. Changes
-    ``model`` in place and returns it.
+    """``model`` with its ``nn.Linear`` layers and Transformers ``Conv1D`` ones (but those
+    named in ``skip``: ``linear_children``) replaced by bitsandbytes ``Linear4bit``:
+    quantised now on CPU, or left for ``estimate`` on meta. The defaults are the QLoRA recipe
+    (NF4, double quantisation, bf16 compute) and what ``BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+    bnb_4bit_compute_dtype=torch.bfloat16)`` loads. Changes ``model`` in place and returns it.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
@@ -136,15 +136,16 @@ def quantize_linear_layers(
 
     if quant_type not in ("nf4", "fp4"):
         raise UsageError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
-    for parent, name, linear in linear_children(model, skip):
+    for child in linear_children(model, skip):
+        parent, name, linear = child.parent, child.name, child.layer
         device = linear.weight.device
         layer = bnb.nn.Linear4bit(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
+            child.in_features, child.out_features, bias=linear.bias is not None,
             compute_dtype=compute_dtype, compress_statistics=double_quant,
             quant_type=quant_type, device="meta",
         )
         weight = bnb.nn.Params4bit(
-            linear.weight.data, requires_grad=False, compress_statistics=double_quant,
+            child.weight.contiguous(), requires_grad=False, compress_statistics=double_quant,
             quant_type=quant_type, module=layer,
         )
         layer.weight = weight._quantize(device) if device.type != "meta" else weight
@@ -179,16 +180,52 @@ def _has_foreign_quantizer(model: nn.Module) -> bool:
     return any(name in sys.modules for name in _UNSUPPORTED_QUANTIZERS)
 
 
-def linear_children(model: nn.Module, skip: tuple[str, ...]) -> list[tuple[nn.Module, str,
-                                                                            nn.Linear]]:
-    """``(parent, name, layer)`` for each plain ``nn.Linear`` in ``model`` not named in
-    ``skip``: the layers a bitsandbytes config quantises."""
-    return [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and name not in skip
-    ]
+class LinearChild(NamedTuple):
+    """A layer a bitsandbytes config quantises, where it sits, and its weight laid out as
+    ``nn.Linear`` holds it (``[out, in]``)."""
+
+    parent: nn.Module
+    name: str
+    layer: nn.Module
+    weight: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+def linear_children(model: nn.Module, skip: tuple[str, ...]) -> list[LinearChild]:
+    """Each plain ``nn.Linear`` in ``model`` not named in ``skip``, and each Transformers
+    ``Conv1D`` (GPT-2's linear layers, their weight stored ``[in, out]``): the layers a
+    bitsandbytes config quantises (Transformers' loading turns a ``Conv1D`` into a
+    ``Linear4bit`` of its transposed weight; left out, a GPT-2 "4-bit base" kept every weight
+    in full precision).
+
+    Example:
+        >>> [(c.name, c.in_features, c.out_features) for c in linear_children(
+        ...     nn.Sequential(nn.Linear(2, 3), nn.ReLU()), skip=("lm_head",))]
+        [('0', 2, 3)]
+    """
+    children = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if name in skip:
+                continue
+            if type(child) is nn.Linear:
+                children.append(LinearChild(parent, name, child, child.weight.data))
+            elif _is_conv1d(child):
+                children.append(LinearChild(parent, name, child, child.weight.data.t()))
+    return children
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Transformers' ``Conv1D`` (``x @ weight + bias``, ``weight`` of shape ``[in, out]``)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return utils is not None and type(module) is getattr(utils, "Conv1D", None)
 
 
 # --- changes made for the duration, and undone -------------------------------------------------

@@ -121,8 +121,9 @@ def quantize_linear_layers_8bit(
     model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",),
     threshold: float = DEFAULT_THRESHOLD,
 ) -> nn.Module:
-    """``model`` with its ``nn.Linear`` layers (but those named in ``skip``) replaced by frozen
-    bitsandbytes ``Linear8bitLt``: quantised now on CPU (int8 rows, an fp32 scale per row), or
+    """``model`` with its ``nn.Linear`` layers and Transformers ``Conv1D`` ones (but those
+    named in ``skip``: ``quantized.linear_children``) replaced by frozen bitsandbytes
+    ``Linear8bitLt``: quantised now on CPU (int8 rows, an fp32 scale per row), or
     left for ``estimate`` on meta; as ``BitsAndBytesConfig(load_in_8bit=True)`` loads them
     (outlier threshold 6.0, the bias as it was). Sets ``model.is_loaded_in_8bit``, which PEFT
     reads to wrap them in its 8-bit LoRA layer. Changes ``model`` in place and returns it.
@@ -134,13 +135,14 @@ def quantize_linear_layers_8bit(
     """
     import bitsandbytes as bnb
 
-    for parent, name, linear in linear_children(model, skip):
+    for child in linear_children(model, skip):
+        parent, name, linear = child.parent, child.name, child.layer
         device = linear.weight.device
         layer = bnb.nn.Linear8bitLt(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
+            child.in_features, child.out_features, bias=linear.bias is not None,
             has_fp16_weights=False, threshold=threshold, device="meta",
         )
-        weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False,
+        weight = bnb.nn.Int8Params(child.weight.contiguous(), requires_grad=False,
                                    has_fp16_weights=False)
         layer.weight = weight._quantize(device) if device.type != "meta" else weight
         if linear.bias is not None:
