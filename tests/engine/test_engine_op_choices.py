@@ -28,6 +28,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_models import assert_identical, assert_trains_as_plain, gradients, parameters
+from plan_peaks import choice_of
 from torch import nn
 
 import gradckpt
@@ -267,10 +268,7 @@ def fixed_menu(monkeypatch: pytest.MonkeyPatch) -> None:
     from gradckpt.measure import one_block
 
     def menu(block):
-        total = sum(block.forward_seconds_by_op.values())
-        return [(frozenset(ops), sum(block.kept_bytes_by_op[op] for op in ops),
-                 sum(block.forward_seconds_by_op.get(op, 0.0) for op in ops) / total)
-                for ops in MEASURED_SETS]
+        return [choice_of(block, ops) for ops in MEASURED_SETS]
 
     monkeypatch.setattr(one_block, "menu_of", menu)
 
