@@ -270,8 +270,10 @@ SUPPORTED = [
              f"{HF}::test_a_bf16_frozen_base_with_fp32_adapters",
              f"{REAL_WORLD}::test_peft_llama_with_a_float64_default_dtype_in_the_forward_pass"]),
     Support("quantised bases", "bitsandbytes 4-bit (QLoRA) and 8-bit with frozen weights "
-            "(`load_in_8bit=True`), measured on bitsandbytes' CPU backend",
+            "(`load_in_8bit=True`), measured on bitsandbytes' CPU backend; GPT-2's `Conv1D` "
+            "layers quantised as Transformers' loading quantises them",
             [f"{QUANTIZED}::test_a_planned_qlora_loop_fits_its_budget_and_trains_bit_for_bit",
+             f"{QUANTIZED}::test_a_conv1d_is_quantised_as_the_linear_layer_of_its_transposed_weight",
              "tests/integrations/test_integrations_quantized_8bit.py::"
              "test_a_planned_8bit_lora_loop_fits_its_budget_and_trains_bit_for_bit"]),
 ]
