@@ -187,9 +187,11 @@ def _check_everything_came_back(
     assert _same_gradients(_train(fresh), plain)
 
 
-def _raising_on_call(calls_to_fail: set[int], error: BaseException) -> Callable:
-    """A forward pre-hook raising ``error`` on those calls (counted from 1)."""
-    seen = [0]
+def _raising_on_call(calls_to_fail: set[int], error: BaseException,
+                     seen: list[int] | None = None) -> Callable:
+    """A forward pre-hook raising ``error`` on those calls (counted from 1; the count kept in
+    ``seen[0]`` where given)."""
+    seen = [0] if seen is None else seen
 
     def hook(module: torch.nn.Module, args: tuple) -> None:
         seen[0] += 1
@@ -349,14 +351,8 @@ def _interrupt_on_call(model: torch.nn.Module, run: Callable[[], object], failin
     Where a run ends before that call, the interrupt goes on the last call it made instead."""
     for _ in range(5):
         seen = [0]
-
-        def hook(module: torch.nn.Module, args: tuple, seen: list[int] = seen,
-                 failing: int = failing) -> None:
-            seen[0] += 1
-            if seen[0] == failing:
-                raise KeyboardInterrupt
-
-        handle = _layers(model)[1].register_forward_pre_hook(hook)
+        handle = _layers(model)[1].register_forward_pre_hook(
+            _raising_on_call({failing}, KeyboardInterrupt(), seen))
         try:
             run()
         except KeyboardInterrupt:
